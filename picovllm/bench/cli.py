@@ -1,0 +1,49 @@
+"""`picovllm bench latency|throughput`."""
+from __future__ import annotations
+
+import argparse
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+
+    lat = kinds.add_parser("latency", parents=[engine_parser], help="decode speed at fixed batch sizes",
+                           description="Decode ms/step, tok/s and achieved memory bandwidth per batch size.")
+    lat.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)")
+    lat.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    lat.add_argument("--output-len", type=int, default=512, help="generated tokens (default 512)")
+    lat.add_argument("--hf", action="append", default=[], choices=["eager", "compiled"],
+                     help="also run Hugging Face transformers in this mode (repeatable)")
+    lat.add_argument("--seed", type=int, default=0)
+    lat.set_defaults(func=_latency)
+
+    thr = kinds.add_parser("throughput", parents=[engine_parser], help="offline throughput",
+                           description="256 requests, lengths uniform in [100, 1024], ignore_eos, T=0.6.")
+    thr.add_argument("--num-prompts", type=int, default=256)
+    thr.add_argument("--min-len", type=int, default=100)
+    thr.add_argument("--max-len", type=int, default=1024)
+    thr.add_argument("--seed", type=int, default=0)
+    thr.set_defaults(func=_throughput)
+
+
+def _latency(args: argparse.Namespace) -> int:
+    from picovllm.bench.latency import run_latency
+    from picovllm.entrypoints.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    kwargs.pop("max_num_seqs")
+    run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed)
+    return 0
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    from picovllm.bench.throughput import run_throughput
+    from picovllm.entrypoints.cli import engine_kwargs
+
+    run_throughput(engine_kwargs(args), args.num_prompts, args.min_len, args.max_len, args.seed)
+    return 0

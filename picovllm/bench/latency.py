@@ -1,0 +1,79 @@
+"""`picovllm bench latency`: decode speed at fixed batch sizes against the memory-bandwidth
+ceiling, optionally beside Hugging Face transformers on the same model, dtype and device."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from picovllm.bench.common import copy_bandwidth, decode_bytes_per_step, print_json, print_table, sync
+from picovllm.bench.hf_baseline import HFRunner
+from picovllm.sampling_params import SamplingParams
+
+
+def _prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab_size, 30000), size=(batch, input_len)).tolist()
+
+
+def _timed(fn, device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def _row(system: str, batch: int, prefill_s: float, total_s: float, output_len: int, step_bytes: int,
+         bandwidth: float) -> dict:
+    steps = output_len - 1
+    decode_s = max(total_s - prefill_s, 1e-9)
+    step_s = decode_s / steps
+    return {"system": system, "batch": batch, "ttft_ms": prefill_s * 1e3, "ms_per_step": step_s * 1e3,
+            "decode_tok_s": batch * steps / decode_s, "total_tok_s": batch * output_len / total_s,
+            "gb_s": step_bytes / step_s / 1e9, "bw_frac": step_bytes / step_s / bandwidth}
+
+
+def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int,
+                hf_modes: list[str], seed: int = 0) -> list[dict]:
+    from picovllm import LLM
+
+    llm = LLM(**llm_kwargs, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True)
+    engine = llm.llm_engine
+    device, model = engine.device, engine.model_runner.model
+    bandwidth = copy_bandwidth(device)
+    kv_token_bytes = engine.model_runner.kv_block_bytes() // engine.config.block_size
+    context = input_len + output_len // 2
+    rows = []
+    for batch in batch_sizes:
+        prompts = [{"prompt_token_ids": p} for p in _prompts(batch, input_len, engine.model_config.vocab_size, seed)]
+        params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+        llm.generate(prompts, params(8), use_tqdm=False)  # warm-up
+        prefill = _timed(lambda: llm.generate(prompts, params(1), use_tqdm=False), device)
+        total = _timed(lambda: llm.generate(prompts, params(output_len), use_tqdm=False), device)
+        step_bytes = decode_bytes_per_step(model, batch, context, kv_token_bytes)
+        rows.append(_row("picovllm", batch, prefill, total, output_len, step_bytes, bandwidth))
+    del llm, engine
+    for mode in hf_modes:
+        hf = HFRunner(llm_kwargs, mode)
+        for batch in batch_sizes:
+            ids = torch.tensor(_prompts(batch, input_len, hf.vocab_size, seed), device=hf.device)
+            hf.generate(ids, 8)
+            prefill = _timed(lambda: hf.generate(ids, 1), hf.device)
+            total = _timed(lambda: hf.generate(ids, output_len), hf.device)
+            step_bytes = decode_bytes_per_step(hf.model, batch, context, kv_token_bytes)
+            rows.append(_row(f"hf-{mode}", batch, prefill, total, output_len, step_bytes, bandwidth))
+        del hf
+    ours = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
+    for r in rows:
+        r["speedup_vs_this"] = ours[r["batch"]]["decode_tok_s"] / r["decode_tok_s"]
+    print_table(rows, [("system", "system", ""), ("batch", "batch", "d"), ("ttft_ms", "TTFT ms", ".1f"),
+                       ("ms_per_step", "ms/step", ".3f"), ("decode_tok_s", "decode tok/s", ".1f"),
+                       ("total_tok_s", "total tok/s", ".1f"), ("gb_s", "GB/s", ".1f"),
+                       ("bw_frac", "of copy BW", ".1%"), ("speedup_vs_this", "picovllm x", ".2f")])
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s on {device}; prompt {input_len}, output {output_len}")
+    print_json("latency", {"model": llm_kwargs.get("model"), "device": str(device),
+                           "copy_bandwidth_gb_s": bandwidth / 1e9, "input_len": input_len,
+                           "output_len": output_len, "results": rows})
+    return rows

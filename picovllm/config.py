@@ -1,0 +1,151 @@
+"""Engine and model configuration (dataclasses); user-facing options are validated here."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the model needs, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the Q, K and V projections
+    o_proj_bias: bool  # bias on the output projection (Llama's attention_bias; never in Qwen2)
+    rope_scaling: dict | None = None
+    torch_dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
+                f"Pico-vLLM supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # transformers 5 moves rope settings into rope_parameters
+            rope_params = cfg.get("rope_parameters") or {}
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=arch == "LlamaForCausalLM" and bool(cfg.get("attention_bias", False)),
+            rope_scaling=rope_scaling,
+            torch_dtype=str(dtype).replace("torch.", ""),
+            eos_token_ids=eos_ids,
+            hf_config=cfg,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelConfig:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face model directory")
+        with open(cfg_path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_dtype: str) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (fp32 checkpoints stay fp32)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
+        return dtype
+    name = model_dtype if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, float16 or bfloat16")
+    return _DTYPES[name]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use auto, cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
+    return dev
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model weights. Names follow vLLM's EngineArgs."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default on CPU: 4 GiB
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 0.0  # GiB of (pinned) CPU pool for swap_out / swap_in
+    load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)
+    skip_tokenizer_init: bool = False
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        need(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
+        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
+        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+             "num_gpu_blocks_override", "must be >= 1")
+        need(self.swap_space >= 0, "swap_space", "must be >= 0")
+        need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")

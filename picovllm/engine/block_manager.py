@@ -1,0 +1,143 @@
+"""The paged KV cache: pre-allocated block pools and their accounting.
+
+The BlockManager offers mechanisms (allocate, reference counts, free, swap); the scheduler
+decides policy (whom to admit, whom to preempt). It knows nothing of requests or of a prefix
+tree: a block's reference count is the number of holders, and a block is free exactly when its
+count is 0.
+
+Invariants (check_invariants): every device block is either free (ref 0, in the free list
+once) or used (ref >= 1); free + used = total; likewise for the CPU pool.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    """Free-list and reference counts for ``num_blocks`` blocks of one device."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_ids):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self.free_ids)} free")
+        ids = [self.free_ids.popleft() for _ in range(n)]
+        for i in ids:
+            self.ref_counts[i] = 1
+        return ids
+
+    def inc_ref(self, ids: list[int]) -> None:
+        for i in ids:
+            assert self.ref_counts[i] > 0, f"inc_ref of free block {i}"
+            self.ref_counts[i] += 1
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference to each block; blocks reaching 0 return to the free list."""
+        for i in ids:
+            assert self.ref_counts[i] > 0, f"double free of block {i}"
+            self.ref_counts[i] -= 1
+            if self.ref_counts[i] == 0:
+                self.free_ids.append(i)
+
+    def check_invariants(self) -> None:
+        free = set(self.free_ids)
+        assert len(free) == len(self.free_ids), "a block is in the free list twice"
+        for i, ref in enumerate(self.ref_counts):
+            assert ref >= 0, f"block {i} has negative ref count {ref}"
+            assert (ref == 0) == (i in free), f"block {i}: ref {ref} but free-list membership {i in free}"
+
+
+class BlockManager:
+    """Owns the KV pool of the compute device and an optional (pinned) CPU pool for swapping.
+
+    Pool layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], so that
+    one layer's K (or V) cache is a contiguous [num_blocks, block_size, heads, head_dim] view.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0):
+        self.block_size = block_size
+        self.device = device
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded reads of never-written slots must be finite for masked attention
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.gpu = BlockPool(num_blocks)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.cpu_cache = None
+        if num_cpu_blocks:
+            cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+            self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+    @staticmethod
+    def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.gpu.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.gpu.num_blocks - self.gpu.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.gpu.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh device blocks, each with reference count 1."""
+        return self.gpu.allocate(n)
+
+    def inc_ref(self, ids: list[int]) -> None:
+        self.gpu.inc_ref(ids)
+
+    def free(self, ids: list[int]) -> None:
+        self.gpu.free(ids)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.gpu.ref_counts[block_id]
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    def swap_out(self, ids: list[int]) -> list[int]:
+        """Copy device blocks to fresh CPU blocks and drop the device references."""
+        if self.cpu_cache is None:
+            raise NoFreeBlocksError("no CPU pool: set swap_space > 0")
+        cpu_ids = self.cpu.allocate(len(ids))
+        src = torch.tensor(ids, device=self.device)
+        self.cpu_cache[:, :, torch.tensor(cpu_ids)] = self.kv_cache[:, :, src].to("cpu")
+        self.gpu.free(ids)
+        return cpu_ids
+
+    def swap_in(self, cpu_ids: list[int]) -> list[int]:
+        """Copy CPU blocks back into fresh device blocks and release the CPU blocks."""
+        ids = self.gpu.allocate(len(cpu_ids))
+        dst = torch.tensor(ids, device=self.device)
+        self.kv_cache[:, :, dst] = self.cpu_cache[:, :, torch.tensor(cpu_ids)].to(self.device, non_blocking=True)
+        self.cpu.free(cpu_ids)
+        return ids
+
+    def check_invariants(self) -> None:
+        self.gpu.check_invariants()
+        self.cpu.check_invariants()

@@ -1,0 +1,267 @@
+"""LLMEngine: requests in, one scheduled forward per step(), RequestOutputs out.
+
+    batch = scheduler.schedule()                   # who runs, prefill or decode
+    sampled = model_runner.run(batch)              # tensors -> model -> sampler
+    outputs = self._process(batch, sampled)        # append tokens, detokenize, finish, free
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, fields
+
+import torch
+
+from picovllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from picovllm.engine.block_manager import BlockManager
+from picovllm.engine.detokenizer import Detokenizer
+from picovllm.engine.model_runner import ModelRunner
+from picovllm.engine.request import Request
+from picovllm.engine.sampler import SamplerOutput
+from picovllm.engine.scheduler import Scheduler
+from picovllm.model.loader.model_loader import resolve_model
+from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("picovllm")
+
+PromptType = str | dict | list[int]
+
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class _Group:
+    """The n completions of one user request."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many kinds; the user needs to know which model
+        raise ValueError(f"could not load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True "
+                         "to run on token ids only") from e
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.model_config, path = resolve_model(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype)
+        self.tokenizer = None
+        if path is not None and not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        torch.manual_seed(config.seed)
+
+        max_position = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_position:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_position}")
+        max_model_len = config.max_model_len or max_position
+        self.model_runner = ModelRunner(config, self.model_config, path, self.dtype, self.device,
+                                        max_model_len, self.eos_token_ids)
+        num_blocks = self.model_runner.num_kv_blocks(config)
+        capacity = num_blocks * config.block_size
+        if max_model_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len {max_model_len} needs more KV cache than the pool holds "
+                                 f"({num_blocks} blocks = {capacity} tokens); lower max_model_len or give "
+                                 "the KV cache more memory")
+            logger.warning("max_model_len lowered from %d to %d, what the KV cache holds", max_model_len, capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(_DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                                           max_model_len)
+        if self.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({max_model_len}): prompts are prefilled in one step")
+
+        attn = self.model_runner.model.attention_layers()[0]
+        block_bytes = self.model_runner.kv_block_bytes()
+        num_cpu_blocks = int(config.swap_space * (1 << 30) // block_bytes)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.model_config.num_hidden_layers,
+                                          attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
+                                          num_cpu_blocks)
+        self.model_runner.bind_kv_cache(self.block_manager)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.groups: dict[str, _Group] = {}
+        self._arrivals = itertools.count()
+        self._auto_ids = itertools.count()
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, config.block_size,
+                    num_blocks * block_bytes / (1 << 30), self.device)
+
+    @classmethod
+    def from_engine_args(cls, **kwargs) -> LLMEngine:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(EngineConfig(**kwargs))
+
+    # ---- requests in ------------------------------------------------------------------------
+
+    def process_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Validate a prompt (string, token ids or {"prompt_token_ids"/"prompt": ...}) against the
+        model and params; return its text and token ids. Raises ValueError."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or not prompt:
+                raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (the engine was started without one)")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                        or not 0 <= t < self.model_config.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad!r} is out of range [0, {self.model_config.vocab_size})")
+        else:
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                             "which leaves no room to generate")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the engine was started without one)")
+        return text, ids
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError (and queues nothing) on bad input."""
+        params = SamplingParams() if params is None else params
+        request_id = str(next(self._auto_ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.process_prompt(prompt, params)
+        self._add_validated(request_id, text, ids, params)
+        return request_id
+
+    def _add_validated(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+        children = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed((params.seed + i * 1_000_003) % _MAX_SEED)
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            req = Request(child_id, request_id, i, text, ids, params, next(self._arrivals), gen)
+            if self.detokenizer is not None:
+                self.detokenizer.start(req)
+            children.append(req)
+        self.groups[request_id] = _Group(text, ids, children)
+        for req in children:
+            self.scheduler.add(req)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests (unknown or finished ids are ignored) and free their blocks."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            group = self.groups.pop(rid, None)
+            for req in group.children if group else []:
+                self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward; return the outputs of the requests that changed (for streaming)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.model_runner.run(batch.requests, batch.is_prefill)
+        return self._process(batch.requests, sampled)
+
+    def _process(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
+        tokens = out.sampled.tolist()
+        logprob_rows = self._logprob_rows(out) if out.sampled_logprobs is not None else None
+        changed: dict[str, None] = {}
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            req.token_ids.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(self._logprob_dict(logprob_rows, i, token, req.params.logprobs))
+                req.cumulative_logprob += req.logprobs[-1][token].logprob
+            reason, stop_reason = self._check_finished(req, token)
+            if reason is not None:
+                req.stop_reason = stop_reason
+                self.scheduler.finish(req, reason)
+            changed[req.parent_id] = None
+        return [self._output(rid) for rid in changed if rid in self.groups]
+
+    def _check_finished(self, req: Request, token: int) -> tuple[str | None, int | str | None]:
+        p = req.params
+        past_min = req.num_output_tokens >= p.min_tokens
+        if past_min and not p.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if past_min and token in p.stop_token_ids:
+            return "stop", token
+        if self.detokenizer is not None and p.detokenize:
+            stop = self.detokenizer.step(req)
+            if stop is not None:
+                return "stop", stop
+        if (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    @staticmethod
+    def _logprob_rows(out: SamplerOutput) -> dict[str, list]:
+        rows = {"chosen": out.sampled_logprobs.tolist(), "rank": out.sampled_ranks.tolist()}
+        if out.top_ids is not None:
+            rows["top_ids"], rows["top_logprobs"] = out.top_ids.tolist(), out.top_logprobs.tolist()
+        return rows
+
+    def _logprob_dict(self, rows: dict[str, list], i: int, token: int, k: int) -> dict[int, Logprob]:
+        top = zip(rows["top_ids"][i][:k], rows["top_logprobs"][i][:k]) if "top_ids" in rows else ()
+        entries = {tid: Logprob(lp, rank, self._decode_token(tid)) for rank, (tid, lp) in enumerate(top, start=1)}
+        entries[token] = Logprob(rows["chosen"][i], rows["rank"][i], self._decode_token(token))
+        return entries
+
+    def _decode_token(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def _output(self, request_id: str) -> RequestOutput:
+        group = self.groups[request_id]
+        finished = all(r.is_finished for r in group.children)
+        outputs = [CompletionOutput(
+            index=r.index, text=r.output_text, token_ids=r.output_token_ids,
+            cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+            logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+            for r in group.children]
+        if finished:
+            del self.groups[request_id]
+        return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs, finished)
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def get_metrics(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {"kv_blocks_total": bm.num_total_blocks, "kv_blocks_free": bm.num_free_blocks,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions}

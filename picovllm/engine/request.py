@@ -1,0 +1,64 @@
+"""One sequence being generated. n > 1 completions of one prompt are n Requests sharing a parent."""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from picovllm.outputs import Logprob
+from picovllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()  # queued, or preempted and waiting to be recomputed
+    RUNNING = enum.auto()  # holds blocks; its KV cache covers all tokens but the last sampled one
+    FINISHED = enum.auto()
+
+
+class Request:
+    def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
+                 prompt_token_ids: list[int], params: SamplingParams, arrival: int,
+                 generator: torch.Generator | None):
+        self.request_id = request_id
+        self.parent_id = parent_id
+        self.index = index  # which of the parent's n completions
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)  # prompt followed by the generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.generator = generator
+        self.status = RequestStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_preemptions = 0
+        # detokenizer state (see detokenizer.py)
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens})"

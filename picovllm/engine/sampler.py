@@ -1,0 +1,166 @@
+"""Batched sampling on the device with per-request parameters (vLLM's semantics).
+
+Order: min_tokens masking and penalties on the logits -> greedy rows take the argmax ->
+temperature -> min_p -> top_k -> top_p -> a draw by the exponential race (argmax of p / q with
+q ~ Exp(1)), each seeded request drawing its noise from its own generator so that its samples do
+not depend on what else is in the batch. Log-probabilities are those of the raw model output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from picovllm.engine.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # [B], 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] int, vocab size where off
+    top_p: torch.Tensor | None  # [B]
+    min_p: torch.Tensor | None  # [B]
+    repetition_penalty: torch.Tensor | None  # [B, 1]
+    presence_penalty: torch.Tensor | None  # [B, 1]
+    frequency_penalty: torch.Tensor | None  # [B, 1]
+    prompt_ids: torch.Tensor | None  # [B, max_prompt] padded with vocab_size
+    output_ids: torch.Tensor | None  # [B, max_output] padded with vocab_size
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked by min_tokens
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    max_logprobs: int | None  # the largest logprobs=k asked for; None when no request asked
+
+    @classmethod
+    def from_requests(cls, reqs: list[Request], vocab_size: int, eos_ids: set[int],
+                      device: torch.device) -> SamplingTensors:
+        params = [r.params for r in reqs]
+
+        def column(values, dtype=torch.float32, off=None):
+            if off is not None and all(v == off for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in params]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
+        prompt_ids = output_ids = None
+        if penalties:
+            prompt_ids = _pad([r.prompt_token_ids for r in reqs], vocab_size, device)
+            output_ids = _pad([r.output_token_ids for r in reqs], vocab_size, device)
+        banned_rows, banned_ids = [], []
+        for i, (r, p) in enumerate(zip(reqs, params)):
+            if r.num_output_tokens < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+                banned_rows += [i] * len(ids)
+                banned_ids += sorted(ids)
+        return cls(
+            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                     dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, device=device),
+            top_k=column(top_k, torch.long, off=vocab_size),
+            top_p=column([p.top_p for p in params], off=1.0),
+            min_p=column([p.min_p for p in params], off=0.0),
+            repetition_penalty=column([p.repetition_penalty for p in params])[:, None] if penalties else None,
+            presence_penalty=column([p.presence_penalty for p in params])[:, None] if penalties else None,
+            frequency_penalty=column([p.frequency_penalty for p in params])[:, None] if penalties else None,
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+            banned=(torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device))
+            if banned_rows else None,
+            generators=[r.generator for r in reqs],
+            all_greedy=all(greedy),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        )
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] occurrence counts of ids (padding id vocab_size is dropped)."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """repetition: tokens seen in prompt or output get logit / p if positive, logit * p if not;
+    frequency and presence: logit -= f * count_in_output + r * (count_in_output > 0)."""
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts(t.output_ids, vocab_size)
+    seen = (_token_counts(t.prompt_ids, vocab_size) > 0) | (output_counts > 0)
+    rep = torch.where(seen, t.repetition_penalty, 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    return logits - t.frequency_penalty * output_counts - t.presence_penalty * (output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """top_k keeps the k largest logits (and ties with the k-th); top_p then keeps the smallest
+    set of most likely tokens whose probability reaches p (always at least one)."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab_size - top_k.clamp(1, vocab_size))[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p[:, None])
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] token ids
+    sampled_logprobs: torch.Tensor | None  # [B] raw log-probability of the sampled token
+    sampled_ranks: torch.Tensor | None  # [B] its rank (1 = most likely)
+    top_logprobs: torch.Tensor | None  # [B, max_logprobs]
+    top_ids: torch.Tensor | None  # [B, max_logprobs]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
+        if t.banned is not None:
+            logits = logits.index_put(t.banned, torch.tensor(_NEG_INF, device=logits.device))
+        if t.repetition_penalty is not None:
+            logits = apply_penalties(logits, t)
+        sampled = logits.argmax(dim=-1)
+        if not t.all_greedy:
+            logits = logits / t.temperature[:, None]
+            if t.min_p is not None:
+                logits = apply_min_p(logits, t.min_p)
+            logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+            probs = logits.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            for i, gen in enumerate(t.generators):
+                if gen is not None:
+                    noise[i].exponential_(generator=gen)
+            random = probs.div_(noise).argmax(dim=-1)
+            sampled = torch.where(t.greedy, sampled, random)
+        return SamplerOutput(sampled, None, None, None, None) if raw_logprobs is None else \
+            _with_logprobs(sampled, raw_logprobs, t.max_logprobs)
+
+
+def _with_logprobs(sampled: torch.Tensor, raw: torch.Tensor, k: int) -> SamplerOutput:
+    chosen = raw.gather(1, sampled[:, None])
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    top = raw.topk(k, dim=-1) if k else None
+    return SamplerOutput(sampled, chosen[:, 0], ranks,
+                         top.values if top is not None else None, top.indices if top is not None else None)

@@ -1,0 +1,50 @@
+"""Causal GQA attention of a batch of queries over the paged KV cache (prefill and decode)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionPlan(NamedTuple):
+    """What the reference attention derives from the batch layout; the same for every layer, so
+    it is built once per forward (plan_paged_attention) and reused by all layers."""
+
+    tables: torch.Tensor  # [B, blocks covering the longest context]
+    max_context: int
+    rows: torch.Tensor  # [B, max_q] row of each padded query in the flat token batch
+    q_valid: torch.Tensor  # [B, max_q] True for real queries
+    mask: torch.Tensor  # [B, 1, max_q, max_context] True where a query may attend to a key
+
+
+def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
+    """Query i of a sequence with q_len queries sits at position context_lens[b] - q_len + i and
+    attends to keys at positions <= its own; queries are padded to the longest query, keys to the
+    longest context, and both paddings are masked out."""
+    device = block_tables.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    max_q = int(q_lens.max())
+    max_ctx = int(context_lens.max())
+    tables = block_tables[:, : -(-max_ctx // block_size)].long()
+    q_idx = torch.arange(max_q, device=device)
+    q_valid = q_idx[None, :] < q_lens[:, None]
+    rows = torch.where(q_valid, query_start_loc[:-1, None] + q_idx, 0)
+    q_pos = (context_lens - q_lens)[:, None] + q_idx
+    k_pos = torch.arange(max_ctx, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < context_lens[:, None])[:, None, :]
+    return AttentionPlan(tables, max_ctx, rows, q_valid, mask[:, None])
+
+
+def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim], the tokens of B sequences laid end to end;
+    caches: [num_blocks, block_size, num_kv_heads, head_dim] with this step's K/V already stored.
+    Returns [num_tokens, num_heads, head_dim]."""
+    keys = k_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]  # [B, ctx, kv_heads, D]
+    values = v_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]
+    q = query[plan.rows]  # [B, max_q, H, D]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=plan.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[plan.q_valid]

@@ -1,0 +1,101 @@
+"""The offline API, as in vLLM: LLM(...).generate(prompts, sampling_params) and .chat(...)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from picovllm.engine.llm_engine import LLMEngine, PromptType
+from picovllm.outputs import RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    model: None (the default built-in model), a local Hugging Face directory, a .gguf file, a
+    built-in name (see ``picovllm models``) or ``dummy:SHAPE`` (random weights). Other keyword
+    arguments are EngineConfig's (block_size, max_num_seqs, max_model_len, gpu_memory_utilization,
+    kv_cache_memory, ...); an unknown one raises ValueError.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 seed: int = 0, **kwargs):
+        self.llm_engine = LLMEngine.from_engine_args(model=model, dtype=dtype, device=device, seed=seed, **kwargs)
+        self._request_counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns RequestOutputs in the order of the prompts.
+        Every prompt is validated before any runs: bad input raises ValueError and runs nothing."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params given for {len(prompts)} prompts")
+        engine = self.llm_engine
+        checked = [engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
+        for (text, token_ids), sp in zip(checked, params):
+            rid = f"offline-{self._request_counter}"
+            self._request_counter += 1
+            engine._add_validated(rid, text, token_ids, sp)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them and generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (the engine was started without one)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError("each message must be a dict with 'role' and 'content'")
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        prompt_tokens += len(out.prompt_token_ids)
+                        output_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                                            f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]

@@ -1,0 +1,111 @@
+"""Linear layers written for tensor parallelism (Megatron split); tp_size=1 is a plain linear.
+
+Each parameter has a ``weight_loader(param, loaded, shard_id=None)`` that copies the part of
+a checkpoint tensor that belongs to this rank (and, for fused layers, to this shard).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """For parameters that are neither split nor fused (norms)."""
+    _copy_checked(param.data, loaded)
+
+
+class LinearBase(nn.Module):
+    """Holds weight (out, in) and optional bias; ``tp_dim`` is the split dimension (None: replicated)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size, self.tp_dim = get_tp_rank(), get_tp_size(), tp_dim
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.tp_dim is not None and self.tp_size > 1 and loaded.dim() > self.tp_dim:
+            loaded = loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
+        _copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        tp = get_tp_size()
+        if out_features % tp:
+            raise ValueError(f"output size {out_features} is not divisible by tp_size {tp}")
+        super().__init__(in_features, out_features // tp, bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one GEMM (e.g. gate and up projections)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        shard = loaded.chunk(self.tp_size, 0)[self.tp_rank]
+        _copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused; each rank holds its own query and KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = get_tp_size()
+        if num_heads % tp or num_kv_heads % tp:
+            raise ValueError(f"heads ({num_heads} query, {num_kv_heads} KV) not divisible by tp_size {tp}")
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        shard = loaded.chunk(self.tp_size, 0)[self.tp_rank]
+        _copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        tp = get_tp_size()
+        if in_features % tp:
+            raise ValueError(f"input size {in_features} is not divisible by tp_size {tp}")
+        super().__init__(in_features // tp, out_features, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

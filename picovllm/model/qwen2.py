@@ -1,0 +1,108 @@
+"""The Qwen2 / Qwen2.5 and Llama-architecture decoder, written from scratch.
+
+One class serves both: Qwen2 has QKV bias, Llama (SmolLM2, Llama-3) none; heads may be tied to
+the embedding or not. forward() takes tensors only and returns hidden states; compute_logits()
+applies the LM head to the positions that are sampled.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from picovllm.config import ModelConfig
+from picovllm.model.layers.activation import SiluAndMul
+from picovllm.model.layers.attention import AttentionMetadata, PagedAttention
+from picovllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from picovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from picovllm.model.layers.norm import RMSNorm
+from picovllm.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.attn = PagedAttention(self.num_heads, cfg.head_dim, self.num_kv_heads)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, cos_sin)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions)
+        meta = self.layers[0].self_attn.attn.prepare(meta)
+        for layer in self.layers:
+            hidden = layer(hidden, cos_sin, meta)
+        return self.norm(hidden)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    # checkpoint name -> (our fused parameter, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_position: int):
+        super().__init__()
+        self.config = cfg
+        self.model = Model(cfg, max_position)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

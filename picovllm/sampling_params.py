@@ -1,0 +1,95 @@
+"""SamplingParams: per-request sampling settings with vLLM's names, defaults and meanings."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Invalid values raise ValueError naming the field.
+
+    temperature 0 means greedy; top_k 0 or -1 means off; top_p 1 and min_p 0 are off.
+    Penalties follow vLLM: repetition_penalty multiplies down the logits of tokens seen in the
+    prompt or output (1 = off); presence/frequency penalties subtract from the logits of tokens
+    seen in the output (0 = off). ``logprobs=k`` returns the top-k log-probabilities (of the raw
+    model distribution) at each step, plus the sampled token's.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+             "temperature", "must be a number >= 0")
+        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+             "top_k", "must be -1 (disable), 0 (disable) or a positive integer")
+        need(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
+             "repetition_penalty", "must be > 0")
+        need(isinstance(self.presence_penalty, (int, float)) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty", "must be in [-2, 2]")
+        need(isinstance(self.frequency_penalty, (int, float)) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty", "must be in [-2, 2]")
+        need(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+             "max_tokens", "must be an integer >= 1 or None")
+        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+             "logprobs", "must be an integer >= 0 or None")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        """Build from a dict, rejecting unknown keys with a message that names them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def clone(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+from tiny_models import build_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory):
+    """(path, HF model) of a tiny Qwen2: tied head, QKV bias, head_dim 16, 3 query heads per KV head."""
+    path = str(tmp_path_factory.mktemp("tiny_qwen"))
+    return path, build_model(path, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(path, HF model) of a tiny Llama: untied head, no bias."""
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    return path, build_model(path, "llama", tie=False, bias=False, seed=1)
+
+
+def make_llm(path: str, **kwargs):
+    from picovllm import LLM
+
+    kwargs = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 16 << 20, **kwargs}
+    return LLM(path, **kwargs)
