@@ -24,8 +24,13 @@ def tiny_llama(tmp_path_factory):
     return path, build_model(path, "llama", tie=False, bias=False, seed=1)
 
 
+# The suite runs on CPU (CI); scripts/gpu_check.sh runs it again with the engine on CUDA.
+TEST_DEVICE = os.environ.get("PICOVLLM_TEST_DEVICE", "cpu")
+
+
 def make_llm(path: str, **kwargs):
     from picovllm import LLM
 
-    kwargs = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 16 << 20, **kwargs}
+    kwargs = {"dtype": "float32", "device": TEST_DEVICE, "kv_cache_memory": 16 << 20,
+              "gpu_memory_utilization": 0.3, **kwargs}
     return LLM(path, **kwargs)
