@@ -35,6 +35,19 @@ class Detokenizer:
             return None
         return self._check_stop(req, old_len)
 
+    def flush(self, req: Request) -> str | None:
+        """At the end of a request, append text still held back (an incomplete character at the
+        very end stays as U+FFFD, as decoding all the tokens gives); return a stop string hit."""
+        skip = req.params.skip_special_tokens
+        prefix = self.tokenizer.decode(req.token_ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(req.token_ids[req.prefix_offset:], skip_special_tokens=skip)
+        if len(full) <= len(prefix):
+            return None
+        old_len = len(req.output_text)
+        req.output_text += full[len(prefix):]
+        req.prefix_offset = req.read_offset = len(req.token_ids)
+        return self._check_stop(req, old_len)
+
     @staticmethod
     def _check_stop(req: Request, old_len: int) -> str | None:
         text = req.output_text

@@ -54,8 +54,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        self.model_config, path = resolve_model(config.model)
         self.device = resolve_device(config.device)
+        self.model_config, path = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype)
         self.tokenizer = None
         if path is not None and not config.skip_tokenizer_init:
@@ -219,11 +219,12 @@ class LLMEngine:
             return "stop", None
         if past_min and token in p.stop_token_ids:
             return "stop", token
-        if self.detokenizer is not None and p.detokenize:
-            stop = self.detokenizer.step(req)
-            if stop is not None:
-                return "stop", stop
+        detokenize = self.detokenizer is not None and p.detokenize
+        if detokenize and (stop := self.detokenizer.step(req)) is not None:
+            return "stop", stop
         if (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            if detokenize and (stop := self.detokenizer.flush(req)) is not None:
+                return "stop", stop
             return "length", None
         return None, None
 

@@ -14,7 +14,7 @@ class AttentionPlan(NamedTuple):
     tables: torch.Tensor  # [B, blocks covering the longest context]
     max_context: int
     rows: torch.Tensor  # [B, max_q] row of each padded query in the flat token batch
-    q_valid: torch.Tensor  # [B, max_q] True for real queries
+    out_rows: torch.Tensor  # indices of the real queries in the flattened [B * max_q] output
     mask: torch.Tensor  # [B, 1, max_q, max_context] True where a query may attend to a key
 
 
@@ -34,7 +34,7 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
     q_pos = (context_lens - q_lens)[:, None] + q_idx
     k_pos = torch.arange(max_ctx, device=device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < context_lens[:, None])[:, None, :]
-    return AttentionPlan(tables, max_ctx, rows, q_valid, mask[:, None])
+    return AttentionPlan(tables, max_ctx, rows, q_valid.flatten().nonzero().squeeze(1), mask[:, None])
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,4 +47,4 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q = query[plan.rows]  # [B, max_q, H, D]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=plan.mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)[plan.q_valid]
+    return out.transpose(1, 2).flatten(0, 1)[plan.out_rows]

@@ -1,0 +1,187 @@
+"""The vLLM-style API: prompt forms, output order, n > 1, stop handling, chat, logprobs, abort,
+and clear errors on bad input while the engine keeps serving."""
+import pytest
+from conftest import make_llm
+from hf_reference import hf_greedy
+
+from picovllm import LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen):
+    return make_llm(tiny_qwen[0])
+
+
+def test_prompt_forms_and_order(llm, tiny_qwen):
+    tok = llm.get_tokenizer()
+    texts = ["The capital of France is", "Hello world", "def add(a, b):"]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    by_text = llm.generate(texts, greedy, use_tqdm=False)
+    by_ids = llm.generate([{"prompt_token_ids": tok.encode(t)} for t in texts], greedy, use_tqdm=False)
+    single = llm.generate(texts[1], greedy, use_tqdm=False)
+    assert [o.prompt for o in by_text] == texts
+    assert [o.outputs[0].token_ids for o in by_text] == [o.outputs[0].token_ids for o in by_ids]
+    assert single[0].outputs[0].token_ids == by_text[1].outputs[0].token_ids
+    for text, out in zip(texts, by_text):
+        ids = tok.encode(text)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(tiny_qwen[1], ids, 6)[0]
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+        assert out.outputs[0].finish_reason == "length" and out.finished
+
+
+def test_per_prompt_sampling_params(llm):
+    outs = llm.generate(["Hello", "Hello"], [SamplingParams(max_tokens=2, ignore_eos=True),
+                                             SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    with pytest.raises(ValueError, match="2 sampling_params given for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams()] * 2)
+
+
+def test_n_gives_distinct_samples(llm):
+    out = llm.generate("Hello", SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4
+    again = llm.generate("Hello", SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_stop_strings_are_trimmed(llm):
+    tok = llm.get_tokenizer()
+    free = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = free.text
+    stop = text[5:8]
+    assert stop and stop not in text[:5]
+    out = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < 20
+    kept = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, stop=stop, ignore_eos=True,
+                                                      include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+    assert tok.decode(out.token_ids).startswith(out.text)
+
+
+def test_stop_token_ids_and_eos(llm):
+    free = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    target = free.token_ids[3]
+    first = free.token_ids.index(target)
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    delayed = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target],
+                                                   min_tokens=first + 1), use_tqdm=False)[0].outputs[0]
+    assert len(delayed.token_ids) > first + 1
+
+
+def test_logprobs(llm):
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy picks the most likely
+        assert len(entry) == 3
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks == [1, 2, 3]
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_chat_applies_template(llm):
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Hello"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    expected = tok.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+    two = llm.chat([conv, conv + [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]],
+                   SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(two) == 2 and two[0].prompt_token_ids == expected
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "no role"}])
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", None, "empty"),
+    ({"prompt_token_ids": []}, None, "empty"),
+    ({"prompt_token_ids": [1, 2, 99999]}, None, "out of range"),
+    ({"prompt_token_ids": [1, -3]}, None, "out of range"),
+    ({"prompt_token_ids": [1, "a"]}, None, "out of range"),
+    ({"prompt_tokens": [1]}, None, "prompt_token_ids"),
+    (12, None, "must be a string"),
+    ("Hello " * 600, None, "max_model_len"),
+    ("Hello", SamplingParams(max_tokens=2000), "max_model_len"),
+])
+def test_bad_input_rejected_and_engine_keeps_serving(llm, prompt, params, match):
+    ok = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["Hello", prompt], [ok, params or SamplingParams()], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # nothing half-queued
+    assert len(llm.generate("Hello", ok, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_engine_level_errors_leave_others_running(tiny_qwen):
+    engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu",
+                                        kv_cache_memory=16 << 20, max_model_len=128)
+    engine.add_request("good", "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", "Hello")
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", {"prompt_token_ids": [5] * 200})
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request("bad", "Hello", {"temperature": 0})
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "good" and len(outs[-1].outputs[0].token_ids) == 8
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_abort_frees_blocks_and_stops_output(tiny_qwen):
+    engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    for i in range(3):
+        engine.add_request(f"r{i}", "Hello world", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step(), engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    engine.abort_request("r1")
+    engine.abort_request("never-existed")
+    seen = set()
+    while engine.has_unfinished_requests():
+        seen |= {o.request_id for o in engine.step()}
+        engine.check_invariants()
+    assert seen == {"r0", "r2"}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_streaming_steps_are_incremental(tiny_qwen):
+    engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    engine.add_request("s", "Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    lengths = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            lengths.append(len(out.outputs[0].token_ids))
+    assert lengths == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(model="/no/such/dir"), "not found"),
+    (dict(model="no-such-builtin-model"), "not found"),
+    (dict(model="dummy:no-such-shape"), "unknown dummy"),
+    (dict(block_size=0), "block_size"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(max_model_len=10**9), "max_model_len"),
+    (dict(not_an_option=1), "unknown engine option"),
+])
+def test_bad_engine_options(tiny_qwen, kwargs, match):
+    from picovllm import LLM
+    args = {"model": tiny_qwen[0], "device": "cpu", "kv_cache_memory": 16 << 20, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        LLM(**args)

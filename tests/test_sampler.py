@@ -1,0 +1,144 @@
+"""Sampler: exact masks on hand-made logits, vLLM's penalty definitions, seeded reproducibility."""
+import math
+
+import pytest
+import torch
+
+from picovllm.engine.request import Request
+from picovllm.engine.sampler import Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p
+from picovllm.sampling_params import SamplingParams
+
+NEG = float("-inf")
+
+
+def _req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed_gen=None) -> Request:
+    r = Request("r", "r", 0, None, list(prompt), params, 0, seed_gen)
+    r.token_ids += list(output)
+    return r
+
+
+def _kept(logits: torch.Tensor) -> list[list[int]]:
+    return [torch.nonzero(row > NEG).flatten().tolist() for row in logits]
+
+
+def test_top_k_mask_exact():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0], [0.5, 0.1, 0.9, 0.3, 0.7]])
+    out = apply_top_k_top_p(logits, torch.tensor([2, 4]), None)
+    assert _kept(out) == [[1, 3], [0, 2, 3, 4]]
+    assert out[0, 1] == 5.0 and out[0, 3] == 4.0  # kept logits unchanged
+
+
+def test_top_k_keeps_ties_with_kth():
+    out = apply_top_k_top_p(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), torch.tensor([1]), None)
+    assert _kept(out) == [[1, 2]]
+
+
+def test_top_p_mask_exact():
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
+    logits = probs.log()
+    # smallest set reaching p: 0.5+0.2 = 0.7 >= 0.6 -> {0, 1}; p=0.71 needs 0.15 more -> {0, 1, 2}
+    assert _kept(apply_top_k_top_p(logits, None, torch.tensor([0.6]))) == [[0, 1]]
+    assert _kept(apply_top_k_top_p(logits, None, torch.tensor([0.71]))) == [[0, 1, 2]]
+    assert _kept(apply_top_k_top_p(logits, None, torch.tensor([0.1]))) == [[0]]  # never empty
+    assert _kept(apply_top_k_top_p(logits, None, torch.tensor([1.0]))) == [[0, 1, 2, 3, 4]]
+
+
+def test_top_k_then_top_p_renormalises():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    # top_k=2 leaves {0.4, 0.3} -> renormalised 0.571, 0.429; top_p=0.5 then keeps only token 0
+    out = apply_top_k_top_p(probs.log(), torch.tensor([2]), torch.tensor([0.5]))
+    assert _kept(out) == [[0]]
+
+
+def test_min_p_mask_exact():
+    probs = torch.tensor([[0.5, 0.26, 0.24], [0.9, 0.05, 0.05]])
+    out = apply_min_p(probs.log(), torch.tensor([0.5, 0.0]))
+    assert _kept(out) == [[0, 1], [0, 1, 2]]  # threshold 0.25 drops 0.24; min_p 0 keeps all
+
+
+def test_penalties_as_vllm_defines_them():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0]])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    req = _req(params, prompt=[0, 1], output=[2, 2, 1])
+    t = SamplingTensors.from_requests([req], 5, set(), torch.device("cpu"))
+    out = apply_penalties(logits, t)
+    # token 0: in prompt -> 2/2 = 1; token 1: prompt+output once -> -2*2 - 0.25 - 0.5 = -4.75
+    # token 2: output twice -> 1/2 - 0.5 - 0.5 = -0.5; tokens 3, 4 unseen: unchanged
+    torch.testing.assert_close(out, torch.tensor([[1.0, -4.75, -0.5, 0.5, -1.0]]))
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    sampler = Sampler()
+    logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
+    t = SamplingTensors.from_requests([_req(params)], 4, {1}, torch.device("cpu"))
+    assert sampler(logits, t).sampled.tolist() == [3]  # EOS 1 and stop id 2 banned
+    t = SamplingTensors.from_requests([_req(params, output=[3, 3])], 4, {1}, torch.device("cpu"))
+    assert sampler(logits, t).sampled.tolist() == [1]  # min_tokens reached
+
+
+def test_greedy_and_logprobs():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
+    reqs = [_req(SamplingParams(temperature=0, logprobs=2)), _req(SamplingParams(temperature=0))]
+    out = Sampler()(logits, SamplingTensors.from_requests(reqs, 3, set(), torch.device("cpu")))
+    assert out.sampled.tolist() == [1, 2]
+    raw = logits.log_softmax(-1)
+    torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.sampled[:, None])[:, 0])
+    assert out.sampled_ranks.tolist() == [1, 1]
+    assert out.top_ids[0].tolist() == [1, 2]
+
+
+def _sample_seq(params, others, steps=20, vocab=50):
+    """Sample `steps` tokens for a seeded request batched with `others` (fresh requests)."""
+    torch.manual_seed(123)
+    logits = torch.randn(steps, vocab)
+    gen = torch.Generator().manual_seed(params.seed)
+    me = _req(params, seed_gen=gen)
+    tokens = []
+    for s in range(steps):
+        batch = others + [me] if s % 2 else [me] + others
+        rows = torch.stack([logits[s]] * len(batch))
+        t = SamplingTensors.from_requests(batch, vocab, set(), torch.device("cpu"))
+        tokens.append(Sampler()(rows, t).sampled[batch.index(me)].item())
+    return tokens
+
+
+def test_seeded_sampling_independent_of_batch():
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    alone = _sample_seq(params, [])
+    with_others = _sample_seq(params, [_req(SamplingParams(temperature=0.7)), _req(SamplingParams(temperature=0))])
+    assert alone == with_others
+    assert len(set(alone)) > 3  # it really samples
+    assert _sample_seq(SamplingParams(temperature=1.0, top_p=0.9, seed=43), []) != alone
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[math.log(0.7), math.log(0.2), math.log(0.1)]]).repeat(4000, 1)
+    reqs = [_req(SamplingParams(temperature=1.0)) for _ in range(4000)]
+    out = Sampler()(logits, SamplingTensors.from_requests(reqs, 3, set(), torch.device("cpu"))).sampled
+    freq = torch.bincount(out, minlength=3).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
+    ("max_tokens", 0), ("max_tokens", -5), ("min_tokens", -1), ("n", 0), ("logprobs", -1),
+    ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_unknown_parameter_rejected():
+    with pytest.raises(ValueError, match="unknown sampling parameter.*beam_width"):
+        SamplingParams.from_dict({"temperature": 0.5, "beam_width": 4})
+    with pytest.raises(TypeError):
+        SamplingParams(beam_width=4)
