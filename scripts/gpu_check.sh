@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-call GPU run: the test suite with the engine on CUDA, then the benchmarks, then a table.
-# Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [quick]
+# Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh
+# Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
@@ -14,9 +15,10 @@ PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -x -s -p no:cacheprovider 2
 echo "== latency =="
 python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1,8,32,128 \
     --input-len 128 --output-len 512 2>&1 | grep -v "it/s\]" | tee "$OUT/latency.log"
-echo "== HF baselines (batch 1) =="
+echo "== HF baseline (batch 1, eager; HF_MODES='eager compiled' adds torch.compile) =="
+HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
 python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1 \
-    --input-len 128 --output-len 128 --hf eager --hf compiled 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log"
+    --input-len 128 --output-len 128 $HF_FLAGS 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log"
 echo "== throughput =="
 python3 -m picovllm.entrypoints.cli bench throughput --model "$MODEL" --max-model-len 4096 2>&1 \
     | grep -v "it/s\]" | tee "$OUT/throughput.log"

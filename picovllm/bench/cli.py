@@ -19,6 +19,7 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--output-len", type=int, default=512, help="generated tokens (default 512)")
     lat.add_argument("--hf", action="append", default=[], choices=["eager", "compiled"],
                      help="also run Hugging Face transformers in this mode (repeatable)")
+    lat.add_argument("--repeat", type=int, default=1, help="time each run this many times and keep the best")
     lat.add_argument("--seed", type=int, default=0)
     lat.set_defaults(func=_latency)
 
@@ -37,7 +38,7 @@ def _latency(args: argparse.Namespace) -> int:
 
     kwargs = engine_kwargs(args)
     kwargs.pop("max_num_seqs")
-    run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed)
+    run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed, args.repeat)
     return 0
 
 

