@@ -2,8 +2,6 @@
 test run (no downloads), saved as Hugging Face directories."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

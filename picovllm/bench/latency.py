@@ -39,8 +39,8 @@ def _row(system: str, batch: int, prefill_s: float, total_s: float, output_len: 
             "gb_s": step_bytes / step_s / 1e9, "bw_frac": step_bytes / step_s / bandwidth}
 
 
-def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int,
-                hf_modes: list[str], seed: int = 0, repeat: int = 1) -> list[dict]:
+def _measure_picovllm(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int, seed: int,
+                      repeat: int) -> tuple[list[dict], torch.device, float, int]:
     from picovllm import LLM
 
     llm = LLM(**llm_kwargs, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True)
@@ -52,23 +52,38 @@ def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output
     rows = []
     for batch in batch_sizes:
         prompts = [{"prompt_token_ids": p} for p in _prompts(batch, input_len, engine.model_config.vocab_size, seed)]
-        params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
-        llm.generate(prompts, params(8), use_tqdm=False)  # warm-up
-        prefill = _timed(lambda: llm.generate(prompts, params(1), use_tqdm=False), device, repeat)
-        total = _timed(lambda: llm.generate(prompts, params(output_len), use_tqdm=False), device, repeat)
+
+        def run(n: int) -> None:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+
+        run(8)  # warm-up
+        prefill, total = _timed(lambda: run(1), device, repeat), _timed(lambda: run(output_len), device, repeat)
         step_bytes = decode_bytes_per_step(model, batch, context, kv_token_bytes)
         rows.append(_row("picovllm", batch, prefill, total, output_len, step_bytes, bandwidth))
-    del llm, engine
+    return rows, device, bandwidth, kv_token_bytes
+
+
+def _measure_hf(llm_kwargs: dict, mode: str, batch_sizes: list[int], input_len: int, output_len: int, seed: int,
+                repeat: int, bandwidth: float, kv_token_bytes: int) -> list[dict]:
+    hf = HFRunner(llm_kwargs, mode)
+    rows = []
+    for batch in batch_sizes:
+        ids = torch.tensor(_prompts(batch, input_len, hf.vocab_size, seed), device=hf.device)
+        hf.generate(ids, 8)  # warm-up (and compilation)
+        prefill = _timed(lambda: hf.generate(ids, 1), hf.device, repeat)
+        total = _timed(lambda: hf.generate(ids, output_len), hf.device, repeat)
+        step_bytes = decode_bytes_per_step(hf.model, batch, input_len + output_len // 2, kv_token_bytes)
+        rows.append(_row(f"hf-{mode}", batch, prefill, total, output_len, step_bytes, bandwidth))
+    return rows
+
+
+def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int,
+                hf_modes: list[str], seed: int = 0, repeat: int = 1) -> list[dict]:
+    rows, device, bandwidth, kv_token_bytes = _measure_picovllm(llm_kwargs, batch_sizes, input_len, output_len,
+                                                                seed, repeat)
     for mode in hf_modes:
-        hf = HFRunner(llm_kwargs, mode)
-        for batch in batch_sizes:
-            ids = torch.tensor(_prompts(batch, input_len, hf.vocab_size, seed), device=hf.device)
-            hf.generate(ids, 8)
-            prefill = _timed(lambda: hf.generate(ids, 1), hf.device, repeat)
-            total = _timed(lambda: hf.generate(ids, output_len), hf.device, repeat)
-            step_bytes = decode_bytes_per_step(hf.model, batch, context, kv_token_bytes)
-            rows.append(_row(f"hf-{mode}", batch, prefill, total, output_len, step_bytes, bandwidth))
-        del hf
+        rows += _measure_hf(llm_kwargs, mode, batch_sizes, input_len, output_len, seed, repeat, bandwidth,
+                            kv_token_bytes)
     ours = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
     for r in rows:
         r["speedup_vs_this"] = ours[r["batch"]]["decode_tok_s"] / r["decode_tok_s"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from picovllm.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from picovllm.config import EngineConfig, resolve_device, resolve_dtype
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.model_runner import ModelRunner

@@ -5,7 +5,6 @@ never over tokens); the sampled tokens come back to the host in one transfer per
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +16,6 @@ from picovllm.engine.request import Request
 from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from picovllm.model.layers.attention import AttentionMetadata
 from picovllm.model.loader.model_loader import load_model
-
-logger = logging.getLogger("picovllm")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 
