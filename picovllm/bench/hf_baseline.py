@@ -32,6 +32,8 @@ class HFRunner:
             raise ValueError(f"unknown HF baseline mode {mode!r}; use eager or compiled")
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+        """Greedy; prompts of equal length, so no padding is involved."""
+        input_ids = torch.tensor(prompts, device=self.device)
         return self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from picovllm.bench.common import copy_bandwidth, decode_bytes_per_step, print_json, print_table, sync
 from picovllm.bench.hf_baseline import HFRunner
@@ -17,16 +16,12 @@ def _prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> list[lis
     return rng.integers(100, min(vocab_size, 30000), size=(batch, input_len)).tolist()
 
 
-def _timed(fn, device, repeat: int) -> float:
-    """Best of `repeat` runs: the least disturbed by other load on the machine."""
-    best = float("inf")
-    for _ in range(repeat):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+def _timed(fn, device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
 
 
 def _row(system: str, batch: int, prefill_s: float, total_s: float, output_len: int, step_bytes: int,
@@ -39,54 +34,47 @@ def _row(system: str, batch: int, prefill_s: float, total_s: float, output_len: 
             "gb_s": step_bytes / step_s / 1e9, "bw_frac": step_bytes / step_s / bandwidth}
 
 
-def _measure_picovllm(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int, seed: int,
-                      repeat: int) -> tuple[list[dict], torch.device, float, int]:
-    from picovllm import LLM
+class PicoRunner:
+    """Our engine behind the same small interface as HFRunner."""
 
-    llm = LLM(**llm_kwargs, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True)
-    engine = llm.llm_engine
-    device, model = engine.device, engine.model_runner.model
-    bandwidth = copy_bandwidth(device)
-    kv_token_bytes = engine.model_runner.kv_block_bytes() // engine.config.block_size
-    context = input_len + output_len // 2
-    rows = []
-    for batch in batch_sizes:
-        prompts = [{"prompt_token_ids": p} for p in _prompts(batch, input_len, engine.model_config.vocab_size, seed)]
+    def __init__(self, llm_kwargs: dict, max_batch: int):
+        from picovllm import LLM
 
-        def run(n: int) -> None:
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        self.llm = LLM(**llm_kwargs, max_num_seqs=max_batch, skip_tokenizer_init=True)
+        engine = self.llm.llm_engine
+        self.device, self.model = engine.device, engine.model_runner.model
+        self.vocab_size = engine.model_config.vocab_size
+        self.kv_token_bytes = engine.model_runner.kv_block_bytes() // engine.config.block_size
 
-        run(8)  # warm-up
-        prefill, total = _timed(lambda: run(1), device, repeat), _timed(lambda: run(output_len), device, repeat)
-        step_bytes = decode_bytes_per_step(model, batch, context, kv_token_bytes)
-        rows.append(_row("picovllm", batch, prefill, total, output_len, step_bytes, bandwidth))
-    return rows, device, bandwidth, kv_token_bytes
-
-
-def _measure_hf(llm_kwargs: dict, mode: str, batch_sizes: list[int], input_len: int, output_len: int, seed: int,
-                repeat: int, bandwidth: float, kv_token_bytes: int) -> list[dict]:
-    hf = HFRunner(llm_kwargs, mode)
-    rows = []
-    for batch in batch_sizes:
-        ids = torch.tensor(_prompts(batch, input_len, hf.vocab_size, seed), device=hf.device)
-        hf.generate(ids, 8)  # warm-up (and compilation)
-        prefill = _timed(lambda: hf.generate(ids, 1), hf.device, repeat)
-        total = _timed(lambda: hf.generate(ids, output_len), hf.device, repeat)
-        step_bytes = decode_bytes_per_step(hf.model, batch, input_len + output_len // 2, kv_token_bytes)
-        rows.append(_row(f"hf-{mode}", batch, prefill, total, output_len, step_bytes, bandwidth))
-    return rows
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
 
 
 def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int,
                 hf_modes: list[str], seed: int = 0, repeat: int = 1) -> list[dict]:
-    rows, device, bandwidth, kv_token_bytes = _measure_picovllm(llm_kwargs, batch_sizes, input_len, output_len,
-                                                                seed, repeat)
-    for mode in hf_modes:
-        rows += _measure_hf(llm_kwargs, mode, batch_sizes, input_len, output_len, seed, repeat, bandwidth,
-                            kv_token_bytes)
-    ours = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
+    """Each system's prefill-only and full runs are timed `repeat` times, the systems taking turns
+    (so that load from elsewhere on the machine falls on all of them), and the best time is kept."""
+    ours = PicoRunner(llm_kwargs, max(batch_sizes))
+    systems = [("picovllm", ours)] + [(f"hf-{mode}", HFRunner(llm_kwargs, mode)) for mode in hf_modes]
+    device = ours.device
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for batch in batch_sizes:
+        prompts = _prompts(batch, input_len, ours.vocab_size, seed)
+        for _, runner in systems:
+            runner.generate(prompts, 8)  # warm-up (and, for compiled HF, compilation)
+        best = {name: [float("inf"), float("inf")] for name, _ in systems}
+        for _ in range(repeat):
+            for name, runner in systems:
+                best[name][0] = min(best[name][0], _timed(lambda: runner.generate(prompts, 1), device))
+                best[name][1] = min(best[name][1], _timed(lambda: runner.generate(prompts, output_len), device))
+        for name, runner in systems:
+            step_bytes = decode_bytes_per_step(runner.model, batch, input_len + output_len // 2, ours.kv_token_bytes)
+            rows.append(_row(name, batch, *best[name], output_len, step_bytes, bandwidth))
+    by_batch = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
     for r in rows:
-        r["speedup_vs_this"] = ours[r["batch"]]["decode_tok_s"] / r["decode_tok_s"]
+        r["speedup_vs_this"] = by_batch[r["batch"]]["decode_tok_s"] / r["decode_tok_s"]
     print_table(rows, [("system", "system", ""), ("batch", "batch", "d"), ("ttft_ms", "TTFT ms", ".1f"),
                        ("ms_per_step", "ms/step", ".3f"), ("decode_tok_s", "decode tok/s", ".1f"),
                        ("total_tok_s", "total tok/s", ".1f"), ("gb_s", "GB/s", ".1f"),

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
+from picovllm.model.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,7 +42,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the given hidden states only (the caller selects the sampled positions)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
