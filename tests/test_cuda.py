@@ -1,16 +1,18 @@
 """Parity with transformers on the GPU, at Qwen2.5-1.5B's exact shapes with random weights.
 Runs where CUDA is available (scripts/gpu_check.sh); skipped on CPU-only machines.
 
-bf16 tolerances are measured, not guessed. Against an fp32 copy of the same model, our bf16
-logits (prefill, and decode over the paged cache) may be off by at most twice what transformers'
-own bf16 logits are off by. Greedy tokens must equal transformers' up to the first step whose
-reference top-2 gap is within the noise (bf16: twice transformers' measured bf16 error; fp32:
-2e-2, since GPU fp32 runs flipped at gaps of 1.3e-3 and 8e-3 some 20-40 steps in).
+The weights are rounded to bf16 values, so the fp32 and bf16 runs load the same checkpoint
+exactly. The references are transformers' own: the fp32 model as built, and the bf16 model loaded
+with from_pretrained(dtype=bfloat16). (Casting a built model with .to(bfloat16) would also round
+its RoPE inv_freq buffer and make a poor reference: 0.06 logit error in "fp32".)
 
-Random weights give flat distributions: the top-2 gap is the spacing at the maximum of 151,936
-near-Gaussian logits, so near-ties come within a few tokens and the number of tokens compared is
-printed, not asserted. The long-horizon token checks are the CPU fp32 suite, which the GPU script
-also runs with the engine on CUDA (tests/test_model_parity.py, tolerance 1e-3).
+fp32: greedy tokens equal to transformers' up to the first near-tie (top-2 gap < 1e-3), and for at
+least 32 tokens on most of 16 prompts. bf16: tolerances are measured, not guessed. Against the
+fp32 reference, our bf16 logits (prefill, and decode over the paged cache) may be off by at most
+twice what transformers' own bf16 logits are off by; greedy tokens must equal transformers' bf16
+tokens up to the first step whose top-2 gap is within twice that noise. Random weights give flat
+distributions (the top-2 gap is the spacing at the maximum of 151,936 near-Gaussian logits), so
+in bf16 near-ties come early and the number of tokens compared is printed, not asserted.
 """
 import pytest
 import torch
@@ -27,20 +29,21 @@ PROMPT_LENS = [1, 7, 16, 17, 31, 64, 100, 128, 129, 200, 255, 300, 333, 400, 450
 
 @pytest.fixture(scope="module")
 def qwen_1p5b(tmp_path_factory):
-    """(path to a bf16 checkpoint, the same model in fp32 on the GPU)."""
+    """(checkpoint path, transformers' fp32 model of it on the GPU)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = {k: v for k, v in DUMMY_CONFIGS["qwen2.5-1.5b"].items() if k not in ("architectures", "torch_dtype")}
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = Qwen2ForCausalLM(Qwen2Config(**cfg)).to(torch.bfloat16).eval()
+        hf = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            p.copy_(p.to(torch.bfloat16))  # bf16-exact values: both dtypes load the same weights
     path = str(tmp_path_factory.mktemp("qwen1p5b"))
     hf.save_pretrained(path)
-    return path, hf.float()
+    return path, hf
 
 
 def _prompts():
@@ -59,11 +62,12 @@ def test_fp32_greedy_parity(qwen_1p5b):
     prompts = _prompts()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True), use_tqdm=False)
-    compared = [assert_greedy_match(o.outputs[0].token_ids, *hf_greedy(hf, p, N_TOKENS), tol=2e-2)
+    compared = [assert_greedy_match(o.outputs[0].token_ids, *hf_greedy(hf, p, N_TOKENS), tol=1e-3)
                 for p, o in zip(prompts, outs)]
-    print(f"\nfp32: greedy tokens equal before the first near-tie (2e-2), per prompt: {compared}")
+    print(f"\nfp32: greedy tokens equal before the first near-tie (1e-3), per prompt: {compared}")
     del llm, outs
     _free_gpu()
+    assert sum(c >= 32 for c in compared) > len(prompts) // 2, compared
 
 
 def _free_gpu():
@@ -86,8 +90,10 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
         seqs += [list(r.token_ids) for r in batch.requests]
         engine._process(batch.requests, engine.model_runner.sampler(ours[-1], _greedy(engine, batch.requests)))
     ours = torch.cat(ours)
+    from transformers import AutoModelForCausalLM
+
     ref = _last_logits(hf32, seqs)
-    hf16 = hf32.to(torch.bfloat16)
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     theirs = _last_logits(hf16, seqs)
     our_err, hf_err = (ours - ref).abs().max().item(), (theirs - ref).abs().max().item()
     print(f"\nbf16 logits vs fp32 over {len(seqs)} prefill/decode rows: ours max abs err {our_err:.4f}, "
@@ -100,8 +106,7 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
     compared = [assert_greedy_match(o.outputs[0].token_ids, *hf_greedy(hf16, p, N_TOKENS), tol=tie_tol)
                 for p, o in zip(prompts, outs)]
     print(f"bf16: greedy tokens equal before the first near-tie (top-2 gap < {tie_tol:.3f}), per prompt: {compared}")
-    hf32.float()
-    del llm, engine
+    del llm, engine, hf16
     _free_gpu()
 
 
