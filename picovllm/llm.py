@@ -53,7 +53,7 @@ class LLM:
         for (text, token_ids), sp in zip(checked, params):
             rid = f"offline-{self._request_counter}"
             self._request_counter += 1
-            engine._add_validated(rid, text, token_ids, sp)
+            engine.add_validated_request(rid, text, token_ids, sp)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

@@ -185,3 +185,11 @@ def test_bad_engine_options(tiny_qwen, kwargs, match):
     args = {"model": tiny_qwen[0], "device": "cpu", "kv_cache_memory": 16 << 20, **kwargs}
     with pytest.raises(ValueError, match=match):
         LLM(**args)
+
+
+def test_max_tokens_none_runs_to_max_model_len(tiny_qwen):
+    llm = make_llm(tiny_qwen[0], max_model_len=40)
+    out = llm.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    assert llm.generate([], use_tqdm=False) == []

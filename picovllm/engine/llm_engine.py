@@ -154,10 +154,12 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt, params)
-        self._add_validated(request_id, text, ids, params)
+        self.add_validated_request(request_id, text, ids, params)
         return request_id
 
-    def _add_validated(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+    def add_validated_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+        """Queue a request whose prompt went through process_prompt (LLM.generate validates a
+        whole batch first, then queues it, so that bad input queues nothing)."""
         children = []
         for i in range(params.n):
             gen = None
