@@ -56,7 +56,8 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         positions=dev(positions),
         meta=AttentionMetadata(slot_mapping=dev(slots), block_tables=dev(tables, torch.int32),
                                context_lens=dev(num_tokens.astype(np.int64)),
-                               query_start_loc=dev(query_start_loc)),
+                               query_start_loc=dev(query_start_loc), max_query_len=int(query_lens.max()),
+                               max_context_len=int(num_tokens.max())),
         logits_indices=dev(query_start_loc[1:] - 1),
     )
 

@@ -18,15 +18,14 @@ class AttentionPlan(NamedTuple):
     mask: torch.Tensor  # [B, 1, max_q, max_context] True where a query may attend to a key
 
 
-def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
+def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         block_size: int, max_query_len: int, max_context_len: int) -> AttentionPlan:
     """Query i of a sequence with q_len queries sits at position context_lens[b] - q_len + i and
     attends to keys at positions <= its own; queries are padded to the longest query, keys to the
     longest context, and both paddings are masked out."""
     device = block_tables.device
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    max_q = int(q_lens.max())
-    max_ctx = int(context_lens.max())
+    max_q, max_ctx = max_query_len, max_context_len
     tables = block_tables[:, : -(-max_ctx // block_size)].long()
     q_idx = torch.arange(max_q, device=device)
     q_valid = q_idx[None, :] < q_lens[:, None]

@@ -6,8 +6,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from picovllm.kernels.kv_store import store_kvcache_ref
+from picovllm.kernels.decode_attention import decode_attention_triton
+from picovllm.kernels.kv_store import store_kvcache_ref, store_kvcache_triton
 from picovllm.kernels.paged_attention import AttentionPlan, paged_attention_ref, plan_paged_attention
+from picovllm.kernels.prefill_attention import prefill_attention_triton
+from picovllm.kernels.triton_utils import use_triton
 
 
 class AttentionMetadata(NamedTuple):
@@ -17,13 +20,17 @@ class AttentionMetadata(NamedTuple):
     block_tables [B, max_blocks]: physical blocks of each sequence (padding entries unread).
     context_lens [B]: tokens each sequence attends to, this step's included.
     query_start_loc [B + 1]: where each sequence's new tokens start in the flat token batch.
+    max_query_len, max_context_len: host-side bounds of the above (no device sync to read them;
+    a CUDA graph of decode passes 1 and max_model_len).
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     query_start_loc: torch.Tensor
-    plan: AttentionPlan | None = None  # derived once per forward by PagedAttention.prepare
+    max_query_len: int
+    max_context_len: int
+    plan: AttentionPlan | None = None  # the reference path's, derived once per forward by prepare()
 
 
 class PagedAttention(nn.Module):
@@ -37,11 +44,21 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Derive once per forward what every layer's attention needs."""
-        block_size = self.k_cache.shape[1]
-        return meta._replace(plan=plan_paged_attention(meta.block_tables, meta.context_lens,
-                                                       meta.query_start_loc, block_size))
+        """Derive once per forward what every layer's attention needs (the reference path's plan;
+        the Triton kernels read the metadata directly)."""
+        if use_triton(meta.slot_mapping):
+            return meta
+        return meta._replace(plan=plan_paged_attention(
+            meta.block_tables, meta.context_lens, meta.query_start_loc, self.k_cache.shape[1],
+            meta.max_query_len, meta.max_context_len))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        store_kvcache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, self.scale)
+        if not use_triton(q):
+            store_kvcache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, self.scale)
+        store_kvcache_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                           self.scale, meta.max_context_len)
+        return prefill_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                        meta.query_start_loc, self.scale, meta.max_query_len)

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from picovllm.kernels.rotary import rotary_ref
+from picovllm.kernels.rotary import rotary
 
 
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -44,4 +44,4 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-    return rotary_ref(q, *cos_sin), rotary_ref(k, *cos_sin)
+    return rotary(q, *cos_sin), rotary(k, *cos_sin)

@@ -1,0 +1,109 @@
+"""Paged decode attention with GQA and split-K over the context (flash-decoding): one query per
+sequence; each (sequence, KV head, context partition) program attends its partition for all the
+query heads of the group, and a second kernel merges the partitions' partial softmaxes.
+The reference is paged_attention_ref (paged_attention.py), which serves decode as a q_len=1 case."""
+import torch
+
+from picovllm.kernels.triton_utils import next_pow2, tl, triton
+
+PARTITION = 512  # context tokens per program: long contexts at small batch still fill the GPU
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l,
+    s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
+    s_ab, s_ah, s_as, s_mb, s_mh,
+    scale, block_size, head_dim, group,
+    PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens + b)
+    start = split * PARTITION
+    if start >= ctx:
+        return
+    end = tl.minimum(start + PARTITION, ctx)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * group + g
+    gmask = g < group
+    dmask = d < head_dim
+    qv = tl.load(q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
+                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        blk = tl.load(block_tables + b * s_tb + (n // block_size) * s_tw, mask=nmask, other=0).to(tl.int64)
+        off = n % block_size
+        kvmask = nmask[:, None] & dmask[None, :]
+        kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
+                     mask=kvmask, other=0.0)
+        s = tl.dot(qv, tl.trans(kt)).to(tl.float32) * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
+                     mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
+        m_i = m_new
+    out_mask = gmask[:, None] & dmask[None, :]
+    tl.store(part_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
+    tl.store(part_m + b * s_mb + heads * s_mh + split, m_i, mask=gmask)
+    tl.store(part_l + b * s_mb + heads * s_mh + split, l_i, mask=gmask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, out,
+                         s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, head_dim,
+                         PARTITION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(context_lens + b)
+    num_splits = tl.cdiv(ctx, PARTITION)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_splits
+    m = tl.load(part_m + b * s_mb + h * s_mh + s, mask=smask, other=float("-inf"))
+    l = tl.load(part_l + b * s_mb + h * s_mh + s, mask=smask, other=0.0)
+    w = tl.where(smask, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    acc = tl.load(part_acc + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
+                  mask=smask[:, None] & (d[None, :] < head_dim), other=0.0)
+    res = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out + b * s_ob + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < head_dim)
+
+
+def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            max_context_len: int) -> torch.Tensor:
+    """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
+    max_context_len bounds the number of partitions (a CUDA graph passes max_model_len)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_splits = triton.cdiv(max(max_context_len, 1), PARTITION)
+    part_acc = torch.empty((batch, num_heads, max_splits, head_dim), dtype=torch.float32, device=query.device)
+    part_m = torch.empty((batch, num_heads, max_splits), dtype=torch.float32, device=query.device)
+    part_l = torch.empty_like(part_m)
+    block_d = next_pow2(head_dim)
+    _decode_partition_kernel[(batch, num_kv_heads, max_splits)](
+        query, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
+        scale, k_cache.shape[1], head_dim, group,
+        PARTITION=PARTITION, BLOCK_N=64, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+    )
+    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    _decode_merge_kernel[(batch, num_heads)](
+        part_acc, part_m, part_l, context_lens, out,
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
+        out.stride(0), out.stride(1), head_dim,
+        PARTITION=PARTITION, BLOCK_S=max(2, next_pow2(max_splits)), BLOCK_D=block_d,
+    )
+    return out

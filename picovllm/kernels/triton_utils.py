@@ -1,0 +1,34 @@
+"""Triton is optional: CPU-only installs run the PyTorch references. Kernels are defined against
+this module's `triton` and `tl`, which are stand-ins when Triton is missing (never launched then).
+
+On a CPU, tests run the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set before
+Triton is imported) on CPU tensors."""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised on installs without Triton
+    HAS_TRITON = False
+
+    class _Stub:
+        constexpr = object
+
+        @staticmethod
+        def jit(fn=None, **kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = tl = _Stub()
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The Triton path serves CUDA tensors; everything else takes the PyTorch reference."""
+    return HAS_TRITON and x.is_cuda
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
