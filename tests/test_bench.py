@@ -8,7 +8,8 @@ from picovllm.bench.throughput import run_throughput
 def test_latency_with_hf_baseline(tiny_qwen, capsys):
     kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20}
     rows = run_latency(kwargs, [1, 3], input_len=9, output_len=5, hf_modes=["eager"])
-    assert [(r["system"], r["batch"]) for r in rows] == [("picovllm", 1), ("hf-eager", 1), ("picovllm", 3), ("hf-eager", 3)]
+    assert [(r["system"], r["batch"]) for r in rows] == [
+        ("picovllm", 1), ("hf-eager", 1), ("picovllm", 3), ("hf-eager", 3)]
     for r in rows:
         assert r["decode_tok_s"] > 0 and 0 < r["bw_frac"]
         assert abs(r["decode_tok_s"] - r["batch"] * 1e3 / r["ms_per_step"]) < 1e-6 * r["decode_tok_s"]

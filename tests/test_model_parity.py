@@ -55,7 +55,7 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
     with torch.no_grad():
         for row, p in zip(ours, prompts):
             ref = hf(torch.tensor([p])).logits[0, -1]
-            torch.testing.assert_close(row, ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
     engine._process(batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
     for _ in range(3):  # decode steps: compare logits of the next position
         batch = engine.scheduler.schedule()
@@ -64,7 +64,7 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
         with torch.no_grad():
             for row, req in zip(ours, batch.requests):
                 ref = hf(torch.tensor([req.token_ids])).logits[0, -1]
-                torch.testing.assert_close(row, ref, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
         engine._process(batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
 
 

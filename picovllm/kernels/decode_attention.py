@@ -4,7 +4,7 @@ query heads of the group, and a second kernel merges the partitions' partial sof
 The reference is paged_attention_ref (paged_attention.py), which serves decode as a q_len=1 case."""
 import torch
 
-from picovllm.kernels.triton_utils import next_pow2, tl, triton
+from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
 PARTITION = 512  # context tokens per program: long contexts at small batch still fill the GPU
 
@@ -16,6 +16,7 @@ def _decode_partition_kernel(
     s_ab, s_ah, s_as, s_mb, s_mh,
     scale, block_size, head_dim, group,
     PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -43,7 +44,7 @@ def _decode_partition_kernel(
         kvmask = nmask[:, None] & dmask[None, :]
         kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
                      mask=kvmask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt)).to(tl.float32) * scale
+        s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -51,7 +52,7 @@ def _decode_partition_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
                      mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
         m_i = m_new
     out_mask = gmask[:, None] & dmask[None, :]
     tl.store(part_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
@@ -98,6 +99,7 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
         scale, k_cache.shape[1], head_dim, group,
         PARTITION=PARTITION, BLOCK_N=64, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        PRECISION=dot_precision(query.dtype),
     )
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
     _decode_merge_kernel[(batch, num_heads)](

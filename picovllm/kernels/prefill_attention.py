@@ -4,7 +4,7 @@ table, which is what prefix caching and chunked prefill need. The reference is
 paged_attention_ref (paged_attention.py)."""
 import torch
 
-from picovllm.kernels.triton_utils import next_pow2, tl, triton
+from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
 
 @triton.jit
@@ -12,7 +12,7 @@ def _prefill_kernel(
     q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
     s_qt, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw, s_ot, s_oh,
     scale, block_size, head_dim, group,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -43,7 +43,7 @@ def _prefill_kernel(
         kvmask = nmask[:, None] & dmask[None, :]
         kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
                      mask=kvmask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt)).to(tl.float32) * scale
+        s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -51,7 +51,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
                      mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
         m_i = m_new
     res = acc / l_i[:, None]
     tl.store(out + (q_start + m)[:, None] * s_ot + h * s_oh + d[None, :], res.to(out.dtype.element_ty),
@@ -70,6 +70,6 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
         scale, k_cache.shape[1], head_dim, num_heads // k_cache.shape[2],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), PRECISION=dot_precision(query.dtype),
     )
     return out

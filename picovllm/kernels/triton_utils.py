@@ -32,3 +32,9 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot rounds fp32 operands to TF32 by default on the GPU (1e-3 relative error); fp32 runs
+    ask for IEEE fp32 so that they stay a tight check of the bf16 ones."""
+    return "ieee" if dtype == torch.float32 else "tf32"
