@@ -137,6 +137,7 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of (pinned) CPU pool for swap_out / swap_in
     load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)
     skip_tokenizer_init: bool = False
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:

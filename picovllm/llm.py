@@ -30,6 +30,15 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block that no running request uses."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> dict[str, int]:
+        """KV-cache and prefix-cache counters: kv_blocks_total, kv_blocks_free, kv_blocks_cached,
+        prefix_cache_queried_tokens, prefix_cache_hit_tokens, num_running, num_waiting, ..."""
+        return self.llm_engine.get_metrics()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -140,7 +140,9 @@ def test_engine_level_errors_leave_others_running(tiny_qwen):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].request_id == "good" and len(outs[-1].outputs[0].token_ids) == 8
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    bm = engine.block_manager
+    assert bm.num_free_blocks + engine.get_metrics()["kv_blocks_cached"] == bm.num_total_blocks
+    assert engine.reset_prefix_cache() and bm.num_free_blocks == bm.num_total_blocks
 
 
 def test_abort_frees_blocks_and_stops_output(tiny_qwen):
@@ -156,7 +158,9 @@ def test_abort_frees_blocks_and_stops_output(tiny_qwen):
         seen |= {o.request_id for o in engine.step()}
         engine.check_invariants()
     assert seen == {"r0", "r2"}
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    bm = engine.block_manager
+    assert bm.num_free_blocks + engine.get_metrics()["kv_blocks_cached"] == bm.num_total_blocks
+    assert engine.reset_prefix_cache() and bm.num_free_blocks == bm.num_total_blocks
 
 
 def test_streaming_steps_are_incremental(tiny_qwen):

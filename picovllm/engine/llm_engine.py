@@ -96,7 +96,8 @@ class LLMEngine:
                                           attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
                                           num_cpu_blocks)
         self.model_runner.bind_kv_cache(self.block_manager)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.enable_prefix_caching)
         self.groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
@@ -256,15 +257,24 @@ class LLMEngine:
             for r in group.children]
         if finished:
             del self.groups[request_id]
-        return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs, finished)
+        num_cached = group.children[0].num_prompt_cached_tokens or 0
+        return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs, finished, num_cached)
 
     # ---- introspection ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block no running request uses; True if the cache is now empty."""
+        cache = self.scheduler.cache
+        cache.reset()
+        return cache.tree is None or cache.tree.num_blocks == 0
+
     def get_metrics(self) -> dict[str, int]:
-        bm = self.block_manager
+        bm, cache = self.block_manager, self.scheduler.cache
         return {"kv_blocks_total": bm.num_total_blocks, "kv_blocks_free": bm.num_free_blocks,
+                "kv_blocks_cached": cache.tree.num_blocks if cache.tree else 0,
+                "prefix_cache_queried_tokens": cache.queried_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions}

@@ -102,8 +102,9 @@ class ModelRunner:
 
     def prepare(self, reqs: list[Request], is_prefill: bool) -> ModelInputs:
         num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        if is_prefill:
-            query_lens, token_ids = num_tokens, [r.token_ids for r in reqs]
+        if is_prefill:  # the leading num_cached_tokens already have KV in cached blocks
+            query_lens = num_tokens - np.array([r.num_cached_tokens for r in reqs], dtype=np.int64)
+            token_ids = [r.token_ids[r.num_cached_tokens:] for r in reqs]
         else:
             query_lens, token_ids = np.ones_like(num_tokens), [r.token_ids[-1:] for r in reqs]
         return build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],

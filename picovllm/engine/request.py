@@ -30,6 +30,9 @@ class Request:
         self.generator = generator
         self.status = RequestStatus.WAITING
         self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # leading tokens whose KV came from the prefix cache this admission
+        self.num_prompt_cached_tokens: int | None = None  # the same at its first admission (reported)
+        self.lock_node = None  # the radix-tree node this request holds locked (prefix_cache.py)
         self.num_preemptions = 0
         # detokenizer state (see detokenizer.py)
         self.output_text = ""
