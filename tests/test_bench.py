@@ -2,6 +2,7 @@
 import json
 
 from picovllm.bench.latency import run_latency
+from picovllm.bench.prefix import run_prefix
 from picovllm.bench.throughput import run_throughput
 
 
@@ -24,3 +25,12 @@ def test_throughput(tiny_qwen, capsys):
     assert result["requests"] == 6 and result["output_tok_s"] > 0
     assert result["total_tok_s"] > result["output_tok_s"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "throughput"
+
+
+def test_prefix_scenarios(tiny_qwen, capsys):
+    kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20}
+    rows = run_prefix(kwargs, repeat=1, scale=0.1)
+    by_name = {r["scenario"][0]: r for r in rows}
+    assert by_name["b"]["hit_rate_on"] > 0.5 and by_name["b"]["hit_rate_off"] == 0
+    assert by_name["c"]["hit_rate_on"] == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["match_insert_us"] > 0

@@ -9,7 +9,7 @@ def _ints(s: str) -> list[int]:
 
 
 def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput")
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
     lat = kinds.add_parser("latency", parents=[engine_parser], help="decode speed at fixed batch sizes",
@@ -31,6 +31,13 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     thr.add_argument("--seed", type=int, default=0)
     thr.set_defaults(func=_throughput)
 
+    pre = kinds.add_parser("prefix", parents=[engine_parser], help="prefix caching: TTFT, hit rate, cost",
+                           description="Shared system prompts, a long shared prefix, and no sharing; "
+                                       "cache on against off.")
+    pre.add_argument("--repeat", type=int, default=3, help="wall-time runs per engine, best kept")
+    pre.add_argument("--seed", type=int, default=0)
+    pre.set_defaults(func=_prefix)
+
 
 def _latency(args: argparse.Namespace) -> int:
     from picovllm.bench.latency import run_latency
@@ -47,4 +54,12 @@ def _throughput(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.cli import engine_kwargs
 
     run_throughput(engine_kwargs(args), args.num_prompts, args.min_len, args.max_len, args.seed)
+    return 0
+
+
+def _prefix(args: argparse.Namespace) -> int:
+    from picovllm.bench.prefix import run_prefix
+    from picovllm.entrypoints.cli import engine_kwargs
+
+    run_prefix(engine_kwargs(args), args.seed, args.repeat)
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -99,6 +100,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.groups: dict[str, _Group] = {}
+        # PICOVLLM_CHECK_INVARIANTS=1: verify block reference counts, tree locks and block
+        # conservation after every step (slow; for debugging)
+        self.debug_invariants = os.environ.get("PICOVLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, config.block_size,
@@ -197,7 +201,10 @@ class LLMEngine:
         if batch is None:
             return []
         sampled = self.model_runner.run(batch.requests, batch.is_prefill)
-        return self._process(batch.requests, sampled)
+        outputs = self._process(batch.requests, sampled)
+        if self.debug_invariants:
+            self.check_invariants()
+        return outputs
 
     def _process(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
         tokens = out.sampled.tolist()
@@ -276,5 +283,6 @@ class LLMEngine:
         return {"kv_blocks_total": bm.num_total_blocks, "kv_blocks_free": bm.num_free_blocks,
                 "kv_blocks_cached": cache.tree.num_blocks if cache.tree else 0,
                 "prefix_cache_queried_tokens": cache.queried_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
+                "prefix_cache_evicted_blocks": cache.evicted_blocks,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions}

@@ -31,6 +31,7 @@ class PrefixCache:
         self.tree = RadixTree(self.block_size) if enabled else None
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.evicted_blocks = 0
 
     @property
     def enabled(self) -> bool:
@@ -47,7 +48,7 @@ class PrefixCache:
         last token to compute) and lock them. Returns how many more blocks it needs."""
         bm = self.block_manager
         if self.tree is not None:
-            node, matched = self.tree.match_prefix(req.token_ids[: req.num_tokens - 1])
+            node, matched = self.tree.match_prefix(req.token_ids, req.num_tokens - 1)
             num_cached = matched // self.block_size * self.block_size
             blocks = self.tree.path_blocks(node, num_cached)
             bm.inc_ref(blocks)
@@ -59,7 +60,9 @@ class PrefixCache:
         """Append n fresh blocks to req, evicting cached blocks if the free list is short."""
         bm = self.block_manager
         if n > bm.num_free_blocks and self.tree is not None:
-            bm.free(self.tree.evict(n - bm.num_free_blocks))
+            evicted = self.tree.evict(n - bm.num_free_blocks)
+            self.evicted_blocks += len(evicted)
+            bm.free(evicted)
         req.block_table += bm.allocate(n)
 
     def insert(self, req: Request, num_tokens: int) -> None:
@@ -67,8 +70,8 @@ class PrefixCache:
         computed) in the tree, and move req's lock to the node where they end."""
         if self.tree is None:
             return
-        full = num_tokens // self.block_size
-        node, new_blocks = self.tree.insert(req.token_ids[: full * self.block_size], req.block_table[:full])
+        full = num_tokens // self.block_size * self.block_size
+        node, new_blocks = self.tree.insert(req.token_ids, req.block_table, full)
         self.block_manager.inc_ref(new_blocks)
         self.tree.lock(node, +1)
         self.tree.lock(req.lock_node, -1)

@@ -48,16 +48,17 @@ class RadixTree:
 
     # ---- queries ------------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: list[int]) -> tuple[RadixNode, int]:
-        """The deepest node the longest common prefix reaches (possibly partway along its edge)
-        and the prefix length in tokens. Touches the path for LRU."""
+    def match_prefix(self, tokens: list[int], limit: int | None = None) -> tuple[RadixNode, int]:
+        """The deepest node the longest common prefix of tokens[:limit] reaches (possibly partway
+        along its edge) and the prefix length in tokens. Touches the path for LRU."""
+        limit = len(tokens) if limit is None else limit
         node, pos = self.root, 0
         now = next(self._clock)
-        while pos < len(tokens):
+        while pos < limit:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common_len(child.tokens, tokens, pos)
+            n = _common_len(child.tokens, tokens, pos, limit)
             node, pos = child, pos + n
             node.last_access = now
             if n < len(child.tokens):
@@ -82,27 +83,28 @@ class RadixTree:
 
     # ---- updates ------------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], blocks: list[int]) -> tuple[RadixNode, list[int]]:
-        """Insert a sequence whose full blocks are `blocks` (len(tokens) // block_size of them).
-        Returns the node at which the sequence ends and the blocks the tree newly holds (the
-        caller takes a reference for the tree on each). Where the tree already has the tokens, it
-        keeps its own blocks. Never changes lock_ref (a split copies it)."""
-        assert len(blocks) == len(tokens) // self.block_size
+    def insert(self, tokens: list[int], blocks: list[int], limit: int | None = None) -> tuple[RadixNode, list[int]]:
+        """Insert tokens[:limit], whose full blocks are blocks[:limit // block_size]. Returns the
+        node at which the sequence ends and the blocks the tree newly holds (the caller takes a
+        reference for the tree on each). Where the tree already has the tokens, it keeps its own
+        blocks. Never changes lock_ref (a split copies it)."""
+        limit = len(tokens) if limit is None else limit
+        assert len(blocks) >= limit // self.block_size
         node, pos = self.root, 0
         now = next(self._clock)
-        while pos < len(tokens):
+        while pos < limit:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common_len(child.tokens, tokens, pos)
+            n = _common_len(child.tokens, tokens, pos, limit)
             if n < len(child.tokens):
                 child = self._split(child, n)
             node, pos = child, pos + n
             node.last_access = now
-        if pos == len(tokens):
+        if pos == limit:
             return node, []
         bs = self.block_size
-        leaf = RadixNode(node, tokens[pos:], pos, blocks[pos // bs:])
+        leaf = RadixNode(node, tokens[pos:limit], pos, blocks[pos // bs: limit // bs])
         leaf.last_access = now
         node.children[tokens[pos]] = leaf
         self.num_blocks += len(leaf.blocks)
@@ -192,9 +194,17 @@ class RadixTree:
         assert total == self.num_blocks and locked == self.num_locked_blocks
 
 
-def _common_len(edge: list[int], tokens: list[int], pos: int) -> int:
-    n = min(len(edge), len(tokens) - pos)
-    i = 0
-    while i < n and edge[i] == tokens[pos + i]:
-        i += 1
-    return i
+def _common_len(edge: list[int], tokens: list[int], pos: int, limit: int) -> int:
+    """Length of the common prefix of edge and tokens[pos:limit], by slice comparisons (C speed):
+    one when the whole edge matches, a binary search for the first mismatch otherwise."""
+    n = min(len(edge), limit - pos)
+    if (edge if n == len(edge) else edge[:n]) == tokens[pos:pos + n]:
+        return n
+    lo, hi = 0, n  # edge[:lo] matches, edge[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if edge[lo:mid] == tokens[pos + lo:pos + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
