@@ -144,6 +144,29 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from picovllm import LLMEngine
+    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    from picovllm.entrypoints.openai.server import build_app
+    from picovllm.model.loader.builtin import DEFAULT_MODEL
+
+    args.model = args.model_tag or args.model
+    defaults = {name: getattr(args, name) for _, name, _, _ in _SAMPLING_FLAGS
+                if getattr(args, name) is not None and name not in ("n", "logprobs")}
+    if args.stop:
+        defaults["stop"] = args.stop
+    SamplingParams(**defaults)  # invalid defaults fail here, not on every request
+    engine = AsyncEngine(LLMEngine.from_engine_args(**engine_kwargs(args)))
+    app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS
 
@@ -170,6 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Chat interactively; replies stream as they are generated.")
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.set_defaults(func=_cmd_chat)
+
+    serve = sub.add_parser("serve", parents=[engine, sampling], help="OpenAI-compatible HTTP server",
+                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                       "/metrics, /tokenize and /detokenize. Sampling options set the defaults "
+                                       "of requests that leave them out.")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.set_defaults(func=_cmd_serve)
 
     models = sub.add_parser("models", help="list built-in models")
     models.set_defaults(func=_cmd_models)

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the server (names follow vLLM's, under picovllm:)."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from picovllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("picovllm:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("picovllm:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("picovllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", registry=r)
+        self.hit_rate = Gauge("picovllm:prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens.",
+                              registry=r)
+        self.prompt_tokens = Counter("picovllm:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("picovllm:generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("picovllm:request_success", "Finished requests.", ["finished_reason"], registry=r)
+        self.ttft = Histogram("picovllm:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("picovllm:inter_token_latency_seconds", "Time between tokens of a request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("picovllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def on_step(self, engine, outputs) -> None:
+        """Called on the engine thread after each step."""
+        m = engine.get_metrics()
+        self.running.set(m["num_running"])
+        self.waiting.set(m["num_waiting"])
+        self.kv_usage.set(1 - m["kv_blocks_free"] / m["kv_blocks_total"])
+        self.hit_rate.set(m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1))
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Per request: TTFT at its first token, inter-token latency per token, end-to-end at the end."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def update(self, out: RequestOutput) -> None:
+        m, now = self.metrics, time.perf_counter()
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        new = tokens - self.tokens
+        if new > 0:
+            if self.tokens == 0:
+                m.ttft.observe(now - self.start)
+            else:
+                for _ in range(new):
+                    m.itl.observe((now - self.last) / new)
+            m.generation_tokens.inc(new)
+            self.tokens, self.last = tokens, now
+        if out.finished:
+            m.e2e.observe(now - self.start)
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            for c in out.outputs:
+                m.requests.labels(finished_reason=c.finish_reason or "abort").inc()

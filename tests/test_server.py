@@ -1,0 +1,193 @@
+"""The OpenAI-compatible server on a tiny model, on a free loopback port, driven by the official
+openai client and raw HTTP."""
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import make_llm
+
+openai = pytest.importorskip("openai")
+
+from picovllm import SamplingParams  # noqa: E402
+from picovllm.entrypoints.openai.async_engine import AsyncEngine  # noqa: E402
+from picovllm.entrypoints.openai.server import build_app  # noqa: E402
+
+MODEL = "tiny"
+KEY = "sk-test"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen):
+    import uvicorn
+
+    llm = make_llm(tiny_qwen[0], max_model_len=256, block_size=4)
+    engine = AsyncEngine(llm.llm_engine)
+    app = build_app(engine, MODEL, api_key=KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_completion_matches_llm_generate(server, client):
+    _, llm = server
+    prompts = ["The capital of France is", "def add(a, b):"]
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in resp.choices] == [o.outputs[0].text for o in expected]
+    assert [c.finish_reason for c in resp.choices] == ["length", "length"]
+    assert resp.usage.completion_tokens == 16
+    assert resp.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+
+
+def test_streaming_equals_non_streaming_and_holds_back_stop_text(client):
+    free = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[6:9]
+    assert stop
+    full = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True}).choices[0]
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24, temperature=0,
+                                            stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert streamed == full.text == free[: free.index(stop)]
+    assert all(stop not in c.choices[0].text for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_stream_and_usage(client):
+    msgs = [{"role": "user", "content": "Hello"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+
+
+def test_n_seed_and_logprobs(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=3, seed=7, extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) == 3 and [c.index for c in a.choices] == [0, 1, 2]
+    lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy: the top token
+
+
+def test_models_health_tokenize(server):
+    url = server[0]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(url + "/health").status_code == 200
+    models = httpx.get(url + "/v1/models", headers=headers).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
+    toks = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert toks["count"] == len(toks["tokens"]) > 0
+    assert httpx.post(url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"
+
+
+def _post(url, path, body, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + path, json=body, headers=headers, timeout=30)
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "Hi " * 400}, 400, None),
+    ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, None),
+    ("/v1/completions", {"prompt": ""}, 400, None),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+])
+def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, path, body, status, param):
+    url = server[0]
+    r = _post(url, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"] and err["type"]
+    if param:
+        assert param in (err["param"] or "") or param in err["message"]
+    ok = _post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_api_key_required(server):
+    assert _post(server[0], "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None).status_code == 401
+    assert _post(server[0], "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key="wrong").status_code == 401
+
+
+def test_64_concurrent_streams(server, client):
+    _, llm = server
+    prompts = [f"Hello {i}" for i in range(64)]
+    expected = {p: o.outputs[0].text for p, o in zip(prompts, llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))}
+    aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+    async def one(p):
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        return p, "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    for p, text in asyncio.run(main()):
+        assert text == expected[p]
+
+
+def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
+    url, llm = server
+    engine = llm.llm_engine
+    aborted = []
+    real_abort = engine.abort_request
+
+    def recording_abort(rid):
+        aborted.append((rid, engine.groups[rid].children[0].num_output_tokens if rid in engine.groups else None))
+        real_abort(rid)
+
+    monkeypatch.setattr(engine, "abort_request", recording_abort)
+    with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break  # leave mid-stream
+    deadline = time.time() + 10
+    while engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    assert len(aborted) == 1 and aborted[0][0].startswith("cmpl-")
+    assert aborted[0][1] is not None and aborted[0][1] < 200  # stopped mid-generation
+    metrics = httpx.get(url + "/metrics").text
+    assert "picovllm:num_requests_running" in metrics and "picovllm:time_to_first_token_seconds_bucket" in metrics
+    m = engine.get_metrics()
+    assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"]
