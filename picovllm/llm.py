@@ -92,6 +92,9 @@ class LLM:
         start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
         try:
             while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(pending)} vanished from the engine (was it stepped "
+                                       "from another thread?)")
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)

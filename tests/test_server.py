@@ -1,8 +1,6 @@
 """The OpenAI-compatible server on a tiny model, on a free loopback port, driven by the official
 openai client and raw HTTP."""
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
@@ -13,7 +11,7 @@ openai = pytest.importorskip("openai")
 
 from picovllm import SamplingParams  # noqa: E402
 from picovllm.entrypoints.openai.async_engine import AsyncEngine  # noqa: E402
-from picovllm.entrypoints.openai.server import build_app  # noqa: E402
+from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-test"
@@ -21,23 +19,13 @@ KEY = "sk-test"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen):
-    import uvicorn
-
+    """(URL, the served LLMEngine, a separate LLM of the same model for expected outputs: the
+    served engine belongs to the server's engine thread)."""
     llm = make_llm(tiny_qwen[0], max_model_len=256, block_size=4)
     engine = AsyncEngine(llm.llm_engine)
-    app = build_app(engine, MODEL, api_key=KEY)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
-    srv.should_exit = True
-    thread.join(timeout=10)
+    url, stop = serve_in_thread(build_app(engine, MODEL, api_key=KEY))
+    yield url, llm.llm_engine, make_llm(tiny_qwen[0], max_model_len=256, block_size=4)
+    stop()
     engine.shutdown()
 
 
@@ -47,7 +35,7 @@ def client(server):
 
 
 def test_completion_matches_llm_generate(server, client):
-    _, llm = server
+    _, _, llm = server
     prompts = ["The capital of France is", "def add(a, b):"]
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
@@ -147,7 +135,7 @@ def test_api_key_required(server):
 
 
 def test_64_concurrent_streams(server, client):
-    _, llm = server
+    _, _, llm = server
     prompts = [f"Hello {i}" for i in range(64)]
     expected = {p: o.outputs[0].text for p, o in zip(prompts, llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))}
@@ -166,8 +154,7 @@ def test_64_concurrent_streams(server, client):
 
 
 def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
-    url, llm = server
-    engine = llm.llm_engine
+    url, engine, _ = server
     aborted = []
     real_abort = engine.abort_request
 
@@ -191,3 +178,13 @@ def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
     assert "picovllm:num_requests_running" in metrics and "picovllm:time_to_first_token_seconds_bucket" in metrics
     m = engine.get_metrics()
     assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"]
+
+
+def test_serving_benchmark(server, tmp_path):
+    from picovllm.bench.serve import run_serve_bench
+
+    summary = run_serve_bench(server[0], MODEL, num_prompts=12, concurrency=4, input_len=20, output_len=6,
+                              vocab_size=300, api_key=KEY, save_dir=str(tmp_path))
+    assert summary["failed"] == 0 and summary["requests"] == 12
+    assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
+    assert (tmp_path / "serve_results.json").exists() and (tmp_path / "serve_latency.png").exists()

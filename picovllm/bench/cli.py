@@ -9,7 +9,7 @@ def _ints(s: str) -> list[int]:
 
 
 def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix")
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, serve")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
     lat = kinds.add_parser("latency", parents=[engine_parser], help="decode speed at fixed batch sizes",
@@ -38,6 +38,21 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     pre.add_argument("--seed", type=int, default=0)
     pre.set_defaults(func=_prefix)
 
+    srv = kinds.add_parser("serve", parents=[engine_parser], help="the HTTP server under streaming load",
+                           description="Streaming clients against /v1/completions: throughput, TTFT, TPOT, ITL. "
+                                       "Without --base-url, starts a server in-process with the engine options.")
+    srv.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--num-prompts", type=int, default=256)
+    srv.add_argument("--concurrency", type=int, default=64)
+    srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); default: all")
+    srv.add_argument("--input-len", type=int, default=512)
+    srv.add_argument("--output-len", type=int, default=128)
+    srv.add_argument("--save-dir", default=None, help="write serve_results.json and serve_latency.png here")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.set_defaults(func=_serve)
+
 
 def _latency(args: argparse.Namespace) -> int:
     from picovllm.bench.latency import run_latency
@@ -62,4 +77,28 @@ def _prefix(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.cli import engine_kwargs
 
     run_prefix(engine_kwargs(args), args.seed, args.repeat)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from picovllm.bench.serve import run_serve_bench
+    from picovllm.entrypoints.cli import engine_kwargs
+
+    name, url, stop, vocab = args.served_model_name, args.base_url, None, 30000
+    if url is None:
+        from picovllm import LLMEngine
+        from picovllm.entrypoints.openai.async_engine import AsyncEngine
+        from picovllm.entrypoints.openai.server import build_app, serve_in_thread
+
+        engine = AsyncEngine(LLMEngine.from_engine_args(**engine_kwargs(args)))
+        name = name or args.model or "default"
+        vocab = min(vocab, engine.engine.model_config.vocab_size)
+        url, stop = serve_in_thread(build_app(engine, name, args.api_key))
+    try:
+        run_serve_bench(url, name, args.num_prompts, args.concurrency, args.request_rate, args.input_len,
+                        args.output_len, vocab, args.api_key, args.seed, args.save_dir)
+    finally:
+        if stop is not None:
+            stop()
+            engine.shutdown()
     return 0

@@ -7,9 +7,11 @@ unknown model. A streaming client that disconnects aborts its request, which fre
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -113,9 +115,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "picovllm", "max_model_len": max_model_len}]}
 
+    def need_tokenizer() -> None:
+        if tokenizer is None:
+            raise APIError(400, "the server runs without a tokenizer: send token ids")
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
+        need_tokenizer()
         if req.messages is not None:
             text = _chat_text(tokenizer, req.messages, True)
             tokens = tokenizer.encode(text, add_special_tokens=False)
@@ -128,6 +135,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
+        need_tokenizer()
         vocab = engine.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
@@ -138,6 +146,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         check_model(req.model)
         prompts = _prompt_list(req.prompt)
         params = params_of(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+        if req.echo:
+            need_tokenizer()
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [await start(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
         created = int(time.time())
@@ -159,7 +169,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
-        if tokenizer is None or not tokenizer.chat_template:
+        need_tokenizer()
+        if not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template", param="messages")
         try:
             text = _chat_text(tokenizer, req.messages, req.add_generation_prompt)
@@ -186,6 +197,31 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
     return app
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Callable[[], None]]:
+    """Run the app under uvicorn on a background thread (port 0: a free one); returns its URL and
+    a function that stops it. For tests and the serving benchmark."""
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="picovllm-http", daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        raise RuntimeError(f"the server did not start on {host}:{port}")
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return f"http://{host}:{port}", stop
 
 
 def _prompt_list(prompt) -> list:

@@ -1,0 +1,113 @@
+"""`picovllm bench serve`: drive the OpenAI-compatible server over HTTP with streaming clients.
+
+Concurrency-limited clients (and optionally Poisson arrivals at a request rate) send random-token
+prompts to /v1/completions with stream=true and ignore_eos; every SSE chunk carries one step's
+token. Reports request and token throughput, TTFT, TPOT (per output token after the first) and
+ITL (between chunks): mean, p50, p90, p99; saves the raw per-request timings and a plot.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import numpy as np
+
+from picovllm.bench.common import print_json, print_table
+
+
+async def _one(client, url: str, headers: dict, prompt: list[int], max_tokens: int, model: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            return {"ok": False, "error": (await resp.aread()).decode()[:200]}
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                json.loads(line[6:])
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    if not stamps:
+        return {"ok": False, "error": "no tokens"}
+    ttft = stamps[0] - start
+    return {"ok": True, "prompt_len": len(prompt), "output_len": len(stamps), "ttft": ttft, "e2e": end - start,
+            "tpot": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1), "itl": np.diff(stamps).tolist()}
+
+
+async def _drive(url: str, headers: dict, prompts: list[list[int]], output_len: int, concurrency: int,
+                 request_rate: float, model: str, seed: int) -> tuple[list[dict], float]:
+    import httpx
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def bounded(p):
+            async with limit:
+                return await _one(client, url, headers, p, output_len, model)
+
+        start = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.create_task(bounded(p)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def _stats(values: list[float]) -> dict:
+    a = np.asarray(values) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))} if len(a) else {}
+
+
+def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: int = 64,
+                    request_rate: float = float("inf"), input_len: int = 512, output_len: int = 128,
+                    vocab_size: int = 30000, api_key: str | None = None, seed: int = 0,
+                    save_dir: str | None = None) -> dict:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    results, elapsed = asyncio.run(_drive(url, headers, prompts, output_len, concurrency, request_rate, model, seed))
+    ok = [r for r in results if r["ok"]]
+    out_tokens = sum(r["output_len"] for r in ok)
+    summary = {"requests": len(results), "failed": len(results) - len(ok), "seconds": elapsed,
+               "request_s": len(ok) / elapsed, "output_tok_s": out_tokens / elapsed,
+               "total_tok_s": (out_tokens + sum(r["prompt_len"] for r in ok)) / elapsed,
+               "concurrency": concurrency, "request_rate": request_rate, "input_len": input_len,
+               "output_len": output_len,
+               "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
+               "itl_ms": _stats([x for r in ok for x in r["itl"]])}
+    rows = [{"metric": name, **summary[key]} for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
+                                                               ("ITL", "itl_ms")) if summary[key]]
+    print(f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
+          f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s")
+    print_table(rows, [("metric", "ms", ""), ("mean", "mean", ".2f"), ("p50", "p50", ".2f"), ("p90", "p90", ".2f"),
+                       ("p99", "p99", ".2f")])
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(os.path.join(save_dir, "serve_results.json"), "w") as f:
+            json.dump({"summary": summary, "requests": results}, f)
+        _plot(ok, os.path.join(save_dir, "serve_latency.png"))
+    print_json("serve", summary)
+    return summary
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].hist([r["ttft"] * 1e3 for r in results], bins=40)
+    axes[0].set(title="time to first token", xlabel="ms", ylabel="requests")
+    axes[1].hist([x * 1e3 for r in results for x in r["itl"]], bins=60)
+    axes[1].set(title="inter-token latency", xlabel="ms", ylabel="tokens", yscale="log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
