@@ -51,7 +51,12 @@ class RadixTree:
     def match_prefix(self, tokens: list[int], limit: int | None = None) -> tuple[RadixNode, int]:
         """The deepest node the longest common prefix of tokens[:limit] reaches (possibly partway
         along its edge) and the prefix length in tokens. Touches the path for LRU."""
-        limit = len(tokens) if limit is None else limit
+        return self._walk(tokens, len(tokens) if limit is None else limit, split=False)
+
+    def _walk(self, tokens: list[int], limit: int, split: bool) -> tuple[RadixNode, int]:
+        """Follow tokens[:limit] down the tree, touching each node for LRU. Where the tokens leave
+        an edge partway, stop on that node, or (split=True) split the edge there and stop on the
+        new head, so that the returned node ends exactly where the match does."""
         node, pos = self.root, 0
         now = next(self._clock)
         while pos < limit:
@@ -59,10 +64,13 @@ class RadixTree:
             if child is None:
                 break
             n = _common_len(child.tokens, tokens, pos, limit)
+            if n < len(child.tokens):
+                if not split:
+                    child.last_access = now
+                    return child, pos + n
+                child = self._split(child, n)
             node, pos = child, pos + n
             node.last_access = now
-            if n < len(child.tokens):
-                break
         return node, pos
 
     def path_blocks(self, node: RadixNode, length: int) -> list[int]:
@@ -90,22 +98,12 @@ class RadixTree:
         blocks. Never changes lock_ref (a split copies it)."""
         limit = len(tokens) if limit is None else limit
         assert len(blocks) >= limit // self.block_size
-        node, pos = self.root, 0
-        now = next(self._clock)
-        while pos < limit:
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = _common_len(child.tokens, tokens, pos, limit)
-            if n < len(child.tokens):
-                child = self._split(child, n)
-            node, pos = child, pos + n
-            node.last_access = now
+        node, pos = self._walk(tokens, limit, split=True)
         if pos == limit:
             return node, []
         bs = self.block_size
         leaf = RadixNode(node, tokens[pos:limit], pos, blocks[pos // bs: limit // bs])
-        leaf.last_access = now
+        leaf.last_access = next(self._clock)
         node.children[tokens[pos]] = leaf
         self.num_blocks += len(leaf.blocks)
         self._maybe_candidate(leaf)

@@ -4,6 +4,7 @@ query heads of the group, and a second kernel merges the partitions' partial sof
 The reference is paged_attention_ref (paged_attention.py), which serves decode as a q_len=1 case."""
 import torch
 
+from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
 PARTITION = 512  # context tokens per program: long contexts at small batch still fill the GPU
@@ -36,24 +37,9 @@ def _decode_partition_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        blk = tl.load(block_tables + b * s_tb + (n // block_size) * s_tw, mask=nmask, other=0).to(tl.int64)
-        off = n % block_size
-        kvmask = nmask[:, None] & dmask[None, :]
-        kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
-                     mask=kvmask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
-                     mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
-        m_i = m_new
+    m_i, l_i, acc = attend_paged_keys(qv, m_i, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb, s_tw, kvh,
+                                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start, end, block_size, d,
+                                      dmask, scale, CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     out_mask = gmask[:, None] & dmask[None, :]
     tl.store(part_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
     tl.store(part_m + b * s_mb + heads * s_mh + split, m_i, mask=gmask)

@@ -6,6 +6,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from picovllm.kernels.triton_utils import tl, triton
+
 
 class AttentionPlan(NamedTuple):
     """What the reference attention derives from the batch layout; the same for every layer, so
@@ -47,3 +49,36 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=plan.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).flatten(0, 1)[plan.out_rows]
+
+
+@triton.jit
+def attend_paged_keys(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,
+                      start, end, block_size, d, dmask, scale,
+                      CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The Triton kernels' shared inner loop: queries qv [M, D] attend to the keys at positions
+    [start, end) of one sequence, read BLOCK_N at a time through its block table row, updating
+    the online softmax (running max m_i, sum l_i, unnormalised acc). CAUSAL masks keys after each
+    query's position q_pos."""
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        blk = tl.load(table_row + (n // block_size) * s_tw, mask=nmask, other=0).to(tl.int64)
+        off = n % block_size
+        kvmask = nmask[:, None] & dmask[None, :]
+        kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
+                     mask=kvmask, other=0.0)
+        s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
+        valid = nmask[None, :]
+        if CAUSAL:
+            valid = valid & (n[None, :] <= q_pos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
+                     mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
+        m_i = m_new
+    return m_i, l_i, acc

@@ -4,6 +4,7 @@ table, which is what prefix caching and chunked prefill need. The reference is
 paged_attention_ref (paged_attention.py)."""
 import torch
 
+from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
 
@@ -35,24 +36,9 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(ctx, prefix + (mblk + 1) * BLOCK_M)  # causal: no key after the last query
-    for n0 in range(0, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        blk = tl.load(block_tables + b * s_tb + (n // block_size) * s_tw, mask=nmask, other=0).to(tl.int64)
-        off = n % block_size
-        kvmask = nmask[:, None] & dmask[None, :]
-        kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
-                     mask=kvmask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
-                     mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
-        m_i = m_new
+    m_i, l_i, acc = attend_paged_keys(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb, s_tw, kvh,
+                                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, 0, end, block_size, d, dmask,
+                                      scale, CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     res = acc / l_i[:, None]
     tl.store(out + (q_start + m)[:, None] * s_ot + h * s_oh + d[None, :], res.to(out.dtype.element_ty),
              mask=mmask[:, None] & dmask[None, :])
