@@ -12,9 +12,12 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 echo "== tests (engine on CUDA) =="
 PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -x -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -vE "it/s\]|^\s*$" | tail -25
 
-echo "== latency =="
+echo "== latency (eager) =="
 python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1,8,32,128 \
     --input-len 128 --output-len 512 2>&1 | grep -v "it/s\]" | tee "$OUT/latency.log"
+echo "== latency (CUDA graphs) =="
+python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1,8,32,128 \
+    --input-len 128 --output-len 512 --no-enforce-eager 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
 echo "== HF baseline (batch 1, eager; HF_MODES='eager compiled' adds torch.compile) =="
 HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
 python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1 \
@@ -25,10 +28,11 @@ python3 -m picovllm.entrypoints.cli bench throughput --model "$MODEL" --max-mode
 
 echo "== summary =="
 grep -E "passed|failed" "$OUT/tests.log" | tail -1
+grep -E "^(fp32|bf16|CUDA graph|kernels vs)" "$OUT/tests.log"
 python3 - "$OUT" <<'PY'
 import json, sys
 rows = []
-for name in ("latency.log", "hf.log", "throughput.log"):
+for name in ("latency.log", "latency_graphs.log", "hf.log", "throughput.log"):
     for line in open(f"{sys.argv[1]}/{name}"):
         if line.startswith("{"):
             rows.append(json.loads(line))

@@ -12,6 +12,7 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.engine.block_manager import BlockManager
+from picovllm.engine.cuda_graph import DecodeGraphs
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from picovllm.model.layers.attention import AttentionMetadata
@@ -72,6 +73,7 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
 
     def kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
@@ -100,6 +102,11 @@ class ModelRunner:
         for attn, (k, v) in zip(self.model.attention_layers(), block_manager.layer_caches()):
             attn.k_cache, attn.v_cache = k, v
 
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Capture decode CUDA graphs (after the KV cache is bound: graphs keep its addresses)."""
+        self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size, self.device)
+        return self.graphs.capture()
+
     def prepare(self, reqs: list[Request], is_prefill: bool) -> ModelInputs:
         num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
         if is_prefill:  # the leading num_cached_tokens already have KV in cached blocks
@@ -114,7 +121,11 @@ class ModelRunner:
     def logits(self, reqs: list[Request], is_prefill: bool) -> torch.Tensor:
         """The raw logits of the positions that are sampled, one row per request."""
         inputs = self.prepare(reqs, is_prefill)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = None
+        if not is_prefill and self.graphs is not None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()

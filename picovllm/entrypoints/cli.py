@@ -38,6 +38,10 @@ def _engine_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache on CPU (default 2 GiB)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run decode eagerly; --no-enforce-eager captures CUDA graphs (GPU only)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off")
     return p
 
 
@@ -55,7 +59,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                  kv_cache_memory=args.kv_cache_memory)
+                  kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
+                  enable_prefix_caching=args.enable_prefix_caching)
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
     return kwargs

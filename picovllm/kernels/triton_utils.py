@@ -5,6 +5,8 @@ On a CPU, tests run the Triton kernels in Triton's interpreter (TRITON_INTERPRET
 Triton is imported) on CPU tensors."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -25,9 +27,12 @@ except ImportError:  # pragma: no cover - exercised on installs without Triton
     triton = tl = _Stub()
 
 
+ENABLED = os.environ.get("PICOVLLM_DISABLE_TRITON", "") in ("", "0")  # tests compare both paths on CUDA
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """The Triton path serves CUDA tensors; everything else takes the PyTorch reference."""
-    return HAS_TRITON and x.is_cuda
+    return ENABLED and HAS_TRITON and x.is_cuda
 
 
 def next_pow2(n: int) -> int:
