@@ -1,46 +1,70 @@
 #!/usr/bin/env bash
-# The one-call GPU run: the test suite with the engine on CUDA, then the benchmarks, then a table.
-# Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh
+# The GPU run: the test suite with the engine on CUDA, the benchmarks, then a short table.
+# Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
+#   stages: tests latency throughput prefix serve (default: all; each fits one 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 MODEL=${MODEL:-dummy:qwen2.5-1.5b}
+STAGES=${*:-tests latency throughput prefix serve}
+BENCH="python3 -m picovllm.entrypoints.cli bench"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
-echo "== tests (engine on CUDA) =="
-PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -x -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -vE "it/s\]|^\s*$" | tail -25
-
-echo "== latency (eager) =="
-python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1,8,32,128 \
-    --input-len 128 --output-len 512 2>&1 | grep -v "it/s\]" | tee "$OUT/latency.log"
-echo "== latency (CUDA graphs) =="
-python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1,8,32,128 \
-    --input-len 128 --output-len 512 --no-enforce-eager 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
-echo "== HF baseline (batch 1, eager; HF_MODES='eager compiled' adds torch.compile) =="
-HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
-python3 -m picovllm.entrypoints.cli bench latency --model "$MODEL" --batch-sizes 1 \
-    --input-len 128 --output-len 128 $HF_FLAGS 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log"
-echo "== throughput =="
-python3 -m picovllm.entrypoints.cli bench throughput --model "$MODEL" --max-model-len 4096 2>&1 \
-    | grep -v "it/s\]" | tee "$OUT/throughput.log"
+for stage in $STAGES; do
+  case $stage in
+    tests)
+      echo "== tests (engine on CUDA) =="
+      PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" \
+          | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs)" | tail -30 ;;
+    latency)
+      echo "== latency: eager, CUDA graphs, HF baseline =="
+      $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 2>&1 \
+          | grep -v "it/s\]" | tee "$OUT/latency.log"
+      $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \
+          --no-enforce-eager 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
+      HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
+      $BENCH latency --model "$MODEL" --batch-sizes 1 --input-len 128 --output-len 128 --no-enforce-eager \
+          $HF_FLAGS 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log" ;;
+    throughput)
+      echo "== throughput =="
+      $BENCH throughput --model "$MODEL" --max-model-len 4096 --no-enforce-eager 2>&1 | grep -v "it/s\]" \
+          | tee "$OUT/throughput.log" ;;
+    prefix)
+      echo "== prefix caching =="
+      $BENCH prefix --model "$MODEL" --no-enforce-eager 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log" ;;
+    serve)
+      echo "== serving =="
+      $BENCH serve --model "$MODEL" --no-enforce-eager --concurrency 64 --num-prompts 256 --input-len 512 \
+          --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
 
 echo "== summary =="
-grep -E "passed|failed" "$OUT/tests.log" | tail -1
-grep -E "^(fp32|bf16|CUDA graph|kernels vs)" "$OUT/tests.log"
 python3 - "$OUT" <<'PY'
-import json, sys
-rows = []
-for name in ("latency.log", "latency_graphs.log", "hf.log", "throughput.log"):
-    for line in open(f"{sys.argv[1]}/{name}"):
-        if line.startswith("{"):
-            rows.append(json.loads(line))
-for r in rows:
-    if r["benchmark"] == "latency":
-        for x in r["results"]:
-            print(f"latency  {x['system']:12s} bs={x['batch']:<4d} {x['ms_per_step']:8.3f} ms/step "
-                  f"{x['decode_tok_s']:10.1f} tok/s {x['bw_frac']:7.1%} of copy BW")
-    else:
-        print(f"throughput picovllm {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s")
+import json, os, sys
+for name in ("latency.log", "latency_graphs.log", "hf.log", "throughput.log", "prefix.log", "serve.log"):
+    path = os.path.join(sys.argv[1], name)
+    if not os.path.exists(path):
+        continue
+    for line in open(path):
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        if r["benchmark"] == "latency":
+            for x in r["results"]:
+                print(f"{name:20s} {x['system']:10s} bs={x['batch']:<4d} {x['ms_per_step']:8.3f} ms/step "
+                      f"{x['decode_tok_s']:10.1f} tok/s {x['bw_frac']:7.1%} of copy BW")
+        elif r["benchmark"] == "throughput":
+            print(f"throughput: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s")
+        elif r["benchmark"] == "prefix":
+            for x in r["results"]:
+                print(f"prefix {x['scenario'][:2]} warm TTFT x{x['warm_ttft_speedup']:.2f}, "
+                      f"wall on vs off {x['wall_on_vs_off']:+.1%}, hit {x['hit_rate_on']:.0%}")
+            print(f"prefix match+insert {r['match_insert_us']:.1f} us")
+        elif r["benchmark"] == "serve":
+            print(f"serve: {r['output_tok_s']:.0f} output tok/s, ITL p50 {r['itl_ms']['p50']:.2f} "
+                  f"p99 {r['itl_ms']['p99']:.2f} ms, TTFT p99 {r['ttft_ms']['p99']:.1f} ms")
 PY
