@@ -23,7 +23,7 @@ for stage in $STAGES; do
       $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 2>&1 \
           | grep -v "it/s\]" | tee "$OUT/latency.log"
       $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \
-          --no-enforce-eager 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
+          --no-enforce-eager --plot "$OUT/latency_graphs.png" 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
       HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
       $BENCH latency --model "$MODEL" --batch-sizes 1 --input-len 128 --output-len 128 --no-enforce-eager \
           $HF_FLAGS 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log" ;;

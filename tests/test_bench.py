@@ -6,9 +6,10 @@ from picovllm.bench.prefix import run_prefix
 from picovllm.bench.throughput import run_throughput
 
 
-def test_latency_with_hf_baseline(tiny_qwen, capsys):
+def test_latency_with_hf_baseline(tiny_qwen, capsys, tmp_path):
     kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20}
-    rows = run_latency(kwargs, [1, 3], input_len=9, output_len=5, hf_modes=["eager"])
+    rows = run_latency(kwargs, [1, 3], input_len=9, output_len=5, hf_modes=["eager"], plot=str(tmp_path / "l.png"))
+    assert (tmp_path / "l.png").stat().st_size > 1000
     assert [(r["system"], r["batch"]) for r in rows] == [
         ("picovllm", 1), ("hf-eager", 1), ("picovllm", 3), ("hf-eager", 3)]
     for r in rows:

@@ -20,6 +20,7 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--hf", action="append", default=[], choices=["eager", "compiled"],
                      help="also run Hugging Face transformers in this mode (repeatable)")
     lat.add_argument("--repeat", type=int, default=1, help="time each run this many times and keep the best")
+    lat.add_argument("--plot", default=None, metavar="PNG", help="save a plot of tok/s and bandwidth here")
     lat.add_argument("--seed", type=int, default=0)
     lat.set_defaults(func=_latency)
 
@@ -60,7 +61,8 @@ def _latency(args: argparse.Namespace) -> int:
 
     kwargs = engine_kwargs(args)
     kwargs.pop("max_num_seqs")
-    run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed, args.repeat)
+    run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed, args.repeat,
+                args.plot)
     return 0
 
 

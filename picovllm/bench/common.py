@@ -56,3 +56,28 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
 
 def print_json(kind: str, payload: dict) -> None:
     print(json.dumps({"benchmark": kind, **payload}))
+
+
+def plot_latency(rows: list[dict], path: str) -> None:
+    """Decode tok/s per batch size for each system, with the achieved fraction of the copy
+    bandwidth on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = sorted({r["system"] for r in rows}, key=lambda s: s != "picovllm")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax2 = ax.twinx()
+    for system in systems:
+        pts = sorted((r["batch"], r["decode_tok_s"], r["bw_frac"]) for r in rows if r["system"] == system)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{system} tok/s")
+        ax2.plot([p[0] for p in pts], [100 * p[2] for p in pts], linestyle="--", marker="x",
+                 label=f"{system} % of copy BW")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tok/s")
+    ax2.set_ylabel("% of copy bandwidth")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from picovllm.bench.common import copy_bandwidth, decode_bytes_per_step, print_json, print_table, sync
+from picovllm.bench.common import copy_bandwidth, decode_bytes_per_step, plot_latency, print_json, print_table, sync
 from picovllm.bench.hf_baseline import HFRunner
 from picovllm.sampling_params import SamplingParams
 
@@ -52,7 +52,7 @@ class PicoRunner:
 
 
 def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int,
-                hf_modes: list[str], seed: int = 0, repeat: int = 1) -> list[dict]:
+                hf_modes: list[str], seed: int = 0, repeat: int = 1, plot: str | None = None) -> list[dict]:
     """Each system's prefill-only and full runs are timed `repeat` times, the systems taking turns
     (so that load from elsewhere on the machine falls on all of them), and the best time is kept."""
     ours = PicoRunner(llm_kwargs, max(batch_sizes))
@@ -84,4 +84,6 @@ def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output
     print_json("latency", {"model": llm_kwargs.get("model"), "device": str(device),
                            "copy_bandwidth_gb_s": bandwidth / 1e9, "input_len": input_len,
                            "output_len": output_len, "repeat": repeat, "results": rows})
+    if plot:
+        plot_latency(rows, plot)
     return rows
