@@ -75,6 +75,9 @@ def plot_latency(rows: list[dict], path: str) -> None:
         ax2.plot([p[0] for p in pts], [100 * p[2] for p in pts], linestyle="--", marker="x",
                  label=f"{system} % of copy BW")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tok/s")
+    batches = sorted({r["batch"] for r in rows})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
     ax2.set_ylabel("% of copy bandwidth")
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
