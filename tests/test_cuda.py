@@ -88,7 +88,8 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
         batch = engine.scheduler.schedule()
         ours.append(engine.model_runner.logits(batch.requests, batch.is_prefill).float())
         seqs += [list(r.token_ids) for r in batch.requests]
-        engine._process(batch.requests, engine.model_runner.sampler(ours[-1], _greedy(engine, batch.requests)))
+        sampled = engine.model_runner.sampler(ours[-1], _greedy(engine, batch.requests))
+        engine._process(batch.requests, sampled.sampled.tolist(), sampled)
     ours = torch.cat(ours)
     from transformers import AutoModelForCausalLM
 

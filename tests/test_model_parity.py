@@ -56,7 +56,7 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
         for row, p in zip(ours, prompts):
             ref = hf(torch.tensor([p])).logits[0, -1]
             torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
-    engine._process(batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
+    _process(engine, batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
     for _ in range(3):  # decode steps: compare logits of the next position
         batch = engine.scheduler.schedule()
         assert not batch.is_prefill
@@ -65,7 +65,11 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
             for row, req in zip(ours, batch.requests):
                 ref = hf(torch.tensor([req.token_ids])).logits[0, -1]
                 torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
-        engine._process(batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
+        _process(engine, batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
+
+
+def _process(engine, reqs, sampled):
+    engine._process(reqs, sampled.sampled.tolist(), sampled)
 
 
 def _greedy_tensors(engine, reqs):

@@ -47,14 +47,18 @@ class PicoRunner:
         self.kv_token_bytes = engine.model_runner.kv_block_bytes() // engine.config.block_size
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        engine = self.llm.llm_engine
+        host, steps = engine.host_time_s, engine.num_steps
         self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+        self.host_ms_per_step = 1e3 * (engine.host_time_s - host) / max(engine.num_steps - steps, 1)
 
 
 def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int,
                 hf_modes: list[str], seed: int = 0, repeat: int = 1, plot: str | None = None) -> list[dict]:
     """Each system's prefill-only and full runs are timed `repeat` times, the systems taking turns
-    (so that load from elsewhere on the machine falls on all of them), and the best time is kept."""
+    (so that load from elsewhere on the machine falls on all of them), and the best time is kept.
+    CPU ms/step is the host time of our engine's steps outside waiting for the device."""
     ours = PicoRunner(llm_kwargs, max(batch_sizes))
     systems = [("picovllm", ours)] + [(f"hf-{mode}", HFRunner(llm_kwargs, mode)) for mode in hf_modes]
     device = ours.device
@@ -65,20 +69,25 @@ def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output
         for _, runner in systems:
             runner.generate(prompts, 8)  # warm-up (and, for compiled HF, compilation)
         best = {name: [float("inf"), float("inf")] for name, _ in systems}
+        host_ms = float("inf")
         for _ in range(repeat):
             for name, runner in systems:
                 best[name][0] = min(best[name][0], _timed(lambda: runner.generate(prompts, 1), device))
                 best[name][1] = min(best[name][1], _timed(lambda: runner.generate(prompts, output_len), device))
+                if runner is ours:
+                    host_ms = min(host_ms, ours.host_ms_per_step)
         for name, runner in systems:
             step_bytes = decode_bytes_per_step(runner.model, batch, input_len + output_len // 2, ours.kv_token_bytes)
             rows.append(_row(name, batch, *best[name], output_len, step_bytes, bandwidth))
+            rows[-1]["host_ms_per_step"] = host_ms if runner is ours else None
     by_batch = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
     for r in rows:
         r["speedup_vs_this"] = by_batch[r["batch"]]["decode_tok_s"] / r["decode_tok_s"]
     print_table(rows, [("system", "system", ""), ("batch", "batch", "d"), ("ttft_ms", "TTFT ms", ".1f"),
                        ("ms_per_step", "ms/step", ".3f"), ("decode_tok_s", "decode tok/s", ".1f"),
                        ("total_tok_s", "total tok/s", ".1f"), ("gb_s", "GB/s", ".1f"),
-                       ("bw_frac", "of copy BW", ".1%"), ("speedup_vs_this", "picovllm x", ".2f")])
+                       ("bw_frac", "of copy BW", ".1%"), ("host_ms_per_step", "CPU ms/step", ".3f"),
+                       ("speedup_vs_this", "picovllm x", ".2f")])
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s on {device}; prompt {input_len}, output {output_len}, "
           f"best of {repeat}")
     print_json("latency", {"model": llm_kwargs.get("model"), "device": str(device),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -106,6 +107,7 @@ class LLMEngine:
         # PICOVLLM_CHECK_INVARIANTS=1: verify block reference counts, tree locks and block
         # conservation after every step (slow; for debugging)
         self.debug_invariants = os.environ.get("PICOVLLM_CHECK_INVARIANTS", "") not in ("", "0")
+        self.host_time_s, self.num_steps = 0.0, 0
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, config.block_size,
@@ -199,18 +201,27 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward; return the outputs of the requests that changed (for streaming)."""
+        """Run one forward; return the outputs of the requests that changed (for streaming).
+
+        host_time_s accumulates the time the CPU spends in steps other than waiting for the
+        device (on a GPU the forward is launched asynchronously and waited for at the one
+        device-to-host copy of the sampled tokens)."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         sampled = self.model_runner.run(batch.requests, batch.is_prefill)
-        outputs = self._process(batch.requests, sampled)
+        launched = time.perf_counter()
+        tokens = sampled.sampled.tolist()  # the step's one device-to-host transfer (and its sync)
+        synced = time.perf_counter()
+        outputs = self._process(batch.requests, tokens, sampled)
         if self.debug_invariants:
             self.check_invariants()
+        self.host_time_s += (launched - start) + (time.perf_counter() - synced)
+        self.num_steps += 1
         return outputs
 
-    def _process(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
-        tokens = out.sampled.tolist()
+    def _process(self, reqs: list[Request], tokens: list[int], out: SamplerOutput) -> list[RequestOutput]:
         logprob_rows = self._logprob_rows(out) if out.sampled_logprobs is not None else None
         changed: dict[str, None] = {}
         for i, (req, token) in enumerate(zip(reqs, tokens)):
