@@ -90,6 +90,3 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
 
-    def clone(self, **changes) -> SamplingParams:
-        return dataclasses.replace(self, **changes)
-

@@ -102,9 +102,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.gpu.num_free
-
     def allocate(self, n: int) -> list[int]:
         """n fresh device blocks, each with reference count 1."""
         return self.gpu.allocate(n)

@@ -1,7 +1,7 @@
 """Write a step's K and V into the paged cache through slot_mapping."""
 import torch
 
-from picovllm.kernels.triton_utils import next_pow2, tl, triton, use_triton
+from picovllm.kernels.triton_utils import next_pow2, tl, triton
 
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -46,7 +46,3 @@ def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
         k_cache.shape[1], num_heads, head_dim,
         BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
     )
-
-
-def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    (store_kvcache_triton if use_triton(key) else store_kvcache_ref)(key, value, k_cache, v_cache, slot_mapping)

@@ -142,7 +142,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return {"prompt": tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
+    async def completions(req: CompletionRequest):
         check_model(req.model)
         prompts = _prompt_list(req.prompt)
         params = params_of(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
@@ -167,7 +167,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request):
+    async def chat(req: ChatCompletionRequest):
         check_model(req.model)
         need_tokenizer()
         if not tokenizer.chat_template:

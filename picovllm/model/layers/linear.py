@@ -56,11 +56,6 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features, bias, tp_dim=None)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
