@@ -188,3 +188,22 @@ def test_serving_benchmark(server, tmp_path):
     assert summary["failed"] == 0 and summary["requests"] == 12
     assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
     assert (tmp_path / "serve_results.json").exists() and (tmp_path / "serve_latency.png").exists()
+
+
+def test_echo_token_prompts_and_chat_tokenize(server, client):
+    url, _, llm = server
+    tok = llm.get_tokenizer()
+    echoed = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert echoed == "Hello world" + plain
+    by_ids = client.completions.create(model=MODEL, prompt=tok.encode("Hello world"), max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert by_ids == plain
+    msgs = [{"role": "user", "content": "Hi"}]
+    toks = httpx.post(url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert toks == tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens == len(toks)
