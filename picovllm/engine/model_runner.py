@@ -130,6 +130,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, reqs: list[Request], is_prefill: bool) -> SamplerOutput:
-        logits = self.logits(reqs, is_prefill)
+        # Sampling parameters go to the device before the forward is queued: a host-to-device
+        # copy from pageable memory would otherwise wait for the whole forward to finish.
         tensors = SamplingTensors.from_requests(reqs, self.model_cfg.vocab_size, self.eos_ids, self.device)
-        return self.sampler(logits, tensors)
+        return self.sampler(self.logits(reqs, is_prefill), tensors)
