@@ -3,8 +3,9 @@
 Each step is either a prefill of newly admitted requests (FCFS, within max_num_seqs and
 max_num_batched_tokens, while blocks last) or a decode of all running requests. When a running
 request needs a block and none is free or evictable, the most recently admitted request is
-preempted: its blocks are released and it goes back to the front of the queue, to be
-recomputed later (largely from the prefix cache, when it is on).
+preempted: its computed blocks go into the prefix cache (when on), its references are released,
+and it goes back to the front of the queue, to be recomputed later, from the cache as far as its
+blocks have not been evicted meanwhile.
 
 Admission takes the longest cached prefix of a request's tokens (prefix_cache.py) and computes
 only the rest; the admitted prompt's full blocks go into the tree at once, so a request admitted
@@ -98,6 +99,7 @@ class Scheduler:
         return list(scheduled)  # a copy: finishing requests mutates self.running
 
     def _preempt(self, req: Request) -> None:
+        self.cache.insert(req, req.num_tokens - 1)  # keep its computed blocks: recompute mostly hits
         self.cache.release(req)
         req.num_cached_tokens = 0
         req.status = RequestStatus.WAITING
