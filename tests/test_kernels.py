@@ -4,7 +4,7 @@ On CPU they run in Triton's interpreter (fp32/fp16: its bf16 dot is unreliable);
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from picovllm.kernels.decode_attention import PARTITION, decode_attention_triton  # noqa: E402
 from picovllm.kernels.kv_store import store_kvcache_ref, store_kvcache_triton  # noqa: E402
@@ -106,3 +106,20 @@ def test_decode_attention_split_k(dtype):
     _close(out, ref, dtype)
     # a graph-sized bound (more partitions than any context needs) changes nothing
     _close(decode_attention_triton(query, kc, vc, tables, ctx, scale, 4 * PARTITION), ref, dtype)
+
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_hopper(dtype):
+    """Every kernel compiles ahead of time for sm_90 (no GPU needed), which catches what the
+    interpreter does not: types, layouts, unsupported operations. Runs in a subprocess because
+    the interpreter, once on, replaces every @triton.jit function."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "compile_kernels.py")
+    done = subprocess.run([sys.executable, script, dtype], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok"] * 7

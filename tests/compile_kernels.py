@@ -1,0 +1,40 @@
+"""Compile every Triton kernel ahead of time for Hopper (sm_90) without a GPU; prints 'ok' per
+kernel. Used by tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from picovllm.kernels import decode_attention, kv_store, prefill_attention, rms_norm, rotary, silu_mul
+
+
+def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps")):
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+                 for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+
+
+def main(dt: str) -> None:
+    p = f"*{dt}"
+    ptrs = {n: p for n in ("q", "k_cache", "v_cache", "out", "key", "value", "x", "weight", "gate_up", "cos", "sin")}
+    ptrs.update(block_tables="*i32", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
+                part_acc="*fp32", part_m="*fp32", part_l="*fp32")
+    precision = "ieee" if dt == "fp32" else "tf32"
+    kernels = [
+        (prefill_attention._prefill_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision)),
+        (decode_attention._decode_partition_kernel,
+         dict(PARTITION=512, BLOCK_N=64, BLOCK_G=16, BLOCK_D=128, PRECISION=precision)),
+        (decode_attention._decode_merge_kernel, dict(PARTITION=512, BLOCK_S=64, BLOCK_D=128)),
+        (kv_store._store_kvcache_kernel, dict(BLOCK_H=2, BLOCK_D=128)),
+        (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
+        (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
+        (rotary._rotary_kernel, dict(BLOCK_H=16, BLOCK_D=64)),
+    ]
+    for fn, constexprs in kernels:
+        assert "ptx" in compile_sm90(fn, ptrs, constexprs).asm
+        print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
