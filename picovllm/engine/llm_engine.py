@@ -288,14 +288,13 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block no running request uses; True if the cache is now empty."""
-        cache = self.scheduler.cache
-        cache.reset()
-        return cache.tree is None or cache.tree.num_blocks == 0
+        self.scheduler.cache.reset()
+        return self.scheduler.cache.num_cached_blocks == 0
 
     def get_metrics(self) -> dict[str, int]:
         bm, cache = self.block_manager, self.scheduler.cache
         return {"kv_blocks_total": bm.num_total_blocks, "kv_blocks_free": bm.num_free_blocks,
-                "kv_blocks_cached": cache.tree.num_blocks if cache.tree else 0,
+                "kv_blocks_cached": cache.num_cached_blocks,
                 "prefix_cache_queried_tokens": cache.queried_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
                 "prefix_cache_evicted_blocks": cache.evicted_blocks,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),

@@ -38,6 +38,10 @@ class PrefixCache:
         return self.tree is not None
 
     @property
+    def num_cached_blocks(self) -> int:
+        return self.tree.num_blocks if self.tree is not None else 0
+
+    @property
     def num_available_blocks(self) -> int:
         """Free blocks plus blocks that eviction could free now."""
         evictable = self.tree.num_evictable_blocks if self.tree else 0

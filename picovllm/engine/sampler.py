@@ -2,8 +2,8 @@
 
 Order: min_tokens masking and penalties on the logits -> greedy rows take the argmax ->
 temperature -> min_p -> top_k -> top_p -> a draw by the exponential race (argmax of p / q with
-q = -log(U) ~ Exp(1)), each seeded request drawing its noise from its own generator so that its samples do
-not depend on what else is in the batch. Log-probabilities are those of the raw model output.
+q = -log(U) ~ Exp(1)), each seeded request drawing its noise from its own generator so that its
+samples do not depend on what else is in the batch. Log-probabilities are those of the raw model output.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ class Sampler:
             uniform = torch.rand_like(probs)
             for i, gen in enumerate(t.generators):
                 if gen is not None:
-                    uniform[i] = torch.rand(probs.shape[1], generator=gen, device=probs.device)
+                    uniform[i].uniform_(generator=gen)
             random = probs.div_(uniform.log_().neg_()).argmax(dim=-1)
             sampled = torch.where(t.greedy, sampled, random)
         return SamplerOutput(sampled, None, None, None, None) if raw_logprobs is None else \

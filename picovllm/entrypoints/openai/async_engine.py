@@ -51,12 +51,12 @@ class AsyncEngine:
         settings and its thread-safe tokenizer). Raises ValueError for bad input."""
         return await asyncio.to_thread(self.engine.process_prompt, prompt, params)
 
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams
+    async def generate(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they change; aborts it if the consumer stops early."""
+        """Yield the outputs of a validated prompt (see validate) as they change; aborts the
+        request if the consumer stops early."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        text, ids = await self.validate(prompt, params)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, text, ids, params))

@@ -91,10 +91,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     async def start(prompt, params, request_id) -> AsyncIterator[RequestOutput]:
         try:
-            await engine.validate(prompt, params)
+            text, ids = await engine.validate(prompt, params)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        return engine.generate(request_id, prompt, params)
+        return engine.generate(request_id, text, ids, params)
 
     def params_of(req, max_tokens, logprobs):
         try:
