@@ -138,9 +138,8 @@ class EngineConfig:
     load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
-    # CUDA graphs for decode are captured unless this is set. Eager is the default until the
-    # graph path has been validated on a GPU (see benchmarks/README.md).
-    enforce_eager: bool = True
+    # CUDA graphs for decode are captured at start-up (GPU only) unless this is set, as in vLLM.
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:

@@ -6,7 +6,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from picovllm.kernels import decode_attention, kv_store, prefill_attention, rms_norm, rotary, silu_mul
+from picovllm.kernels import decode_attention, gemv, kv_store, prefill_attention, rms_norm, silu_mul
 
 
 def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps")):
@@ -17,23 +17,25 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps")):
 
 def main(dt: str) -> None:
     p = f"*{dt}"
-    ptrs = {n: p for n in ("q", "k_cache", "v_cache", "out", "key", "value", "x", "weight", "gate_up", "cos", "sin")}
-    ptrs.update(block_tables="*i32", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
+    ptrs = {n: p for n in ("q", "k", "v", "q_out", "k_cache", "v_cache", "out", "x", "weight", "gate_up", "cos", "sin",
+                            "bias", "norm_weight", "residual")}
+    ptrs.update(block_tables="*i64", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
                 part_acc="*fp32", part_m="*fp32", part_l="*fp32")
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
         (prefill_attention._prefill_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision)),
         (decode_attention._decode_partition_kernel,
-         dict(PARTITION=512, BLOCK_N=64, BLOCK_G=16, BLOCK_D=128, PRECISION=precision)),
-        (decode_attention._decode_merge_kernel, dict(PARTITION=512, BLOCK_S=64, BLOCK_D=128)),
-        (kv_store._store_kvcache_kernel, dict(BLOCK_H=2, BLOCK_D=128)),
+         dict(SPLITS=16, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision)),
+        (decode_attention._decode_merge_kernel, dict(SPLITS=16, BLOCK_N=32, BLOCK_D=128)),
+        (kv_store._rope_store_kernel, dict(BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
-        (rotary._rotary_kernel, dict(BLOCK_H=16, BLOCK_D=64)),
+        *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=8,
+                                   BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile)) for one_tile in (False, True)],
     ]
     for fn, constexprs in kernels:
         assert "ptx" in compile_sm90(fn, ptrs, constexprs).asm
-        print("ok", flush=True)
+        print("ok", fn.__name__, flush=True)
 
 
 if __name__ == "__main__":

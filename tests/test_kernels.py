@@ -1,18 +1,21 @@
 """Every Triton kernel against its PyTorch reference on random inputs of awkward shapes:
 non-power-of-2 sizes, contexts crossing block boundaries, padding slots, non-contiguous inputs.
 On CPU they run in Triton's interpreter (fp32/fp16: its bf16 dot is unreliable); on CUDA in bf16 too."""
+import os
+
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
-from picovllm.kernels.decode_attention import PARTITION, decode_attention_triton  # noqa: E402
-from picovllm.kernels.kv_store import store_kvcache_ref, store_kvcache_triton  # noqa: E402
+from picovllm.kernels.decode_attention import decode_attention_triton, num_splits  # noqa: E402
+from picovllm.kernels.gemv import fused_linear_ref, gemv_triton  # noqa: E402
+from picovllm.kernels.kv_store import rope_and_store_ref, rope_and_store_triton  # noqa: E402
 from picovllm.kernels.paged_attention import paged_attention_ref, plan_paged_attention  # noqa: E402
 from picovllm.kernels.prefill_attention import prefill_attention_triton  # noqa: E402
 from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
-from picovllm.kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
 from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_triton  # noqa: E402
+from picovllm.kernels.triton_utils import next_pow2  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -24,20 +27,26 @@ def _close(a, b, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kvcache(dtype):
+def test_rope_and_store(dtype):
+    """Queries rotated, keys rotated and stored with the values; padding slots store nothing."""
     g = torch.Generator().manual_seed(0)
-    tokens, heads, dim, blocks, bs = 13, 3, 24, 7, 4
-    qkv = torch.randn(tokens, 5 * heads * dim, generator=g).to(dtype).to(DEV)
-    key = qkv[:, heads * dim: 2 * heads * dim].view(tokens, heads, dim)  # strided views of a fused output
-    value = qkv[:, 3 * heads * dim: 4 * heads * dim].view(tokens, heads, dim)
+    tokens, heads, kv_heads, dim, blocks, bs = 13, 5, 3, 24, 7, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads + 1) * dim, generator=g).to(dtype).to(DEV)
+    q, k, v = qkv[:, :-dim].split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)  # strided views
+    q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 50
+    cos, sin = angles.cos().to(dtype).to(DEV), angles.sin().to(dtype).to(DEV)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     slots[[2, 7]] = -1  # padding tokens
     slots = slots.to(DEV)
-    caches = [torch.zeros(blocks, bs, heads, dim, dtype=dtype, device=DEV) for _ in range(4)]
-    store_kvcache_ref(key, value, caches[0], caches[1], slots)
-    store_kvcache_triton(key, value, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert caches[0].abs().sum() > 0
+    caches = [torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype, device=DEV) for _ in range(4)]
+    q_ref = rope_and_store_ref(q, k, v, cos, sin, caches[0], caches[1], slots)
+    q_out = rope_and_store_triton(q, k, v, cos, sin, caches[2], caches[3], slots)
+    _close(q_out, q_ref, dtype)
+    _close(caches[2], caches[0], dtype)
+    assert torch.equal(caches[1], caches[3])  # values are copied exactly
+    stored = (caches[0].abs().sum((2, 3)) > 0).sum().item()
+    assert stored == tokens - 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,16 +60,6 @@ def test_rms_norm(dtype):
 def test_silu_mul(dtype):
     x = torch.randn(5, 2 * 100).to(dtype).to(DEV)
     _close(silu_mul_triton(x, block=64), silu_mul_ref(x), dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary(dtype):
-    tokens, heads, dim = 9, 3, 32
-    qkv = torch.randn(tokens, 3 * heads * dim).to(dtype).to(DEV)
-    q = qkv[:, :heads * dim].view(tokens, heads, dim)
-    angles = torch.rand(tokens, dim // 2) * 50
-    cos, sin = angles.cos().to(dtype).to(DEV), angles.sin().to(dtype).to(DEV)
-    _close(rotary_triton(q, cos, sin), rotary_ref(q, cos, sin), dtype)
 
 
 def _paged_batch(dtype, q_lens, prefix_lens, block_size, heads=6, kv_heads=2, dim=24, seed=0):
@@ -98,14 +97,18 @@ def test_prefill_attention_with_cached_prefix(dtype, block_size):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_split_k(dtype):
     block_size = 16
-    prefix = [0, 14, 15, 16, 40, PARTITION + 77]  # the longest spans two partitions
+    prefix = [0, 14, 15, 16, 40, 589]  # contexts of 1 to 590 keys
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, [1] * len(prefix), prefix, block_size, seed=1)
     plan = plan_paged_attention(tables, ctx, qsl, block_size, 1, int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
-    out = decode_attention_triton(query, kc, vc, tables, ctx, scale, int(ctx.max()))
-    _close(out, ref, dtype)
-    # a graph-sized bound (more partitions than any context needs) changes nothing
-    _close(decode_attention_triton(query, kc, vc, tables, ctx, scale, 4 * PARTITION), ref, dtype)
+    # one split, the default for this batch, and more splits than the short contexts have tiles
+    for splits in (1, None, 32):
+        _close(decode_attention_triton(query, kc, vc, tables, ctx, scale, splits), ref, dtype)
+
+
+def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
+    assert [num_splits(b, 2) for b in (1, 2, 8, 64, 128, 256)] == [32, 32, 16, 2, 1, 1]
+    assert num_splits(1, 8) == 32 and num_splits(4, 8) == 8
 
 
 
@@ -114,12 +117,53 @@ def test_kernels_compile_for_hopper(dtype):
     """Every kernel compiles ahead of time for sm_90 (no GPU needed), which catches what the
     interpreter does not: types, layouts, unsupported operations. Runs in a subprocess because
     the interpreter, once on, replaces every @triton.jit function."""
-    import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))  # this checkout's package
     script = os.path.join(os.path.dirname(__file__), "compile_kernels.py")
     done = subprocess.run([sys.executable, script, dtype], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["ok"] * 7
+    compiled = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")}
+    assert compiled == _all_kernels()
+
+
+def _all_kernels() -> set[str]:
+    """Names of every @triton.jit kernel (a launched `_..._kernel`) in picovllm.kernels."""
+    import pkgutil
+    import re
+
+    import picovllm.kernels as pkg
+
+    names = set()
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        with open(os.path.join(pkg.__path__[0], mod.name + ".py")) as f:
+            names |= set(re.findall(r"@triton\.jit(?:\(.*\))?(?:  #.*)?\ndef (_\w+_kernel)\(", f.read()))
+    return names
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("fusion", ["plain", "norm+bias", "residual", "norm+silu_mul"])
+def test_gemv_with_fused_norm_bias_activation_residual(dtype, rows, fusion):
+    """Odd N and K (tiles cross both edges), a strided input, each fusion the model uses."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 75, 200
+    x = (torch.randn(rows, 2 * k, generator=g) * 3).to(dtype).to(DEV)[:, ::2]  # column stride 2
+    w = (torch.randn(2 * n if fusion == "norm+silu_mul" else n, k, generator=g) / k ** 0.5).to(dtype).to(DEV)
+    kwargs = {}
+    if "norm" in fusion:
+        kwargs.update(norm_weight=(1 + torch.rand(k, generator=g)).to(dtype).to(DEV), eps=1e-6)
+    if "bias" in fusion:
+        kwargs["bias"] = torch.randn(n, generator=g).to(dtype).to(DEV)
+    if fusion == "residual":
+        kwargs["residual"] = torch.randn(rows, n, generator=g).to(dtype).to(DEV)
+    if fusion == "norm+silu_mul":
+        kwargs["silu_mul"] = True
+    ref = fused_linear_ref(x, w, **kwargs)
+    out = gemv_triton(x, w, **kwargs, config=dict(BLOCK_M=next_pow2(rows), BLOCK_N=16, BLOCK_K=64))
+    assert out.shape == (rows, n)
+    _close(out, ref, dtype)
+    _close(gemv_triton(x, w, **kwargs), ref, dtype)  # the default tiles

@@ -1,18 +1,17 @@
 """CUDA graphs for decode: one graph per batch size in a ladder (1, 2, 4, 8, then steps of 16),
-captured at start-up in one shared memory pool over static input buffers. A step pads its batch
-to the next captured size (padding rows: slot -1, so nothing is stored, and a one-token context)
-and replays; larger batches run eagerly.
+captured at start-up in one shared memory pool over static input buffers. A step's inputs come
+padded to the next captured size (padding rows: slot -1, so nothing is stored, and a one-token
+context; model_runner.build_inputs), are copied into the buffers with two device copies, and the
+graph replays; larger batches run eagerly.
 
 Inside a graph nothing may allocate new memory outside the pool, sync with the host, or depend on
-data for control flow: the decode attention is launched with max_context_len = max_model_len
-(partitions past a sequence's context exit at once) and max_query_len = 1.
+data for control flow: the decode attention's grid depends on the batch size alone (each sequence
+cuts its own context into that many splits) and max_query_len = 1.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-
 import torch
 
 from picovllm.model.layers.attention import AttentionMetadata
@@ -29,42 +28,33 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in _LADDER if s < target] + [next(s for s in _LADDER if s >= target)]
 
 
-@dataclass
 class DecodeBuffers:
-    """The static inputs every graph reads (slices of these tensors)."""
+    """The static inputs every graph reads: the graph of batch size P reads rows [:P].
 
-    input_ids: torch.Tensor  # [max_batch]
-    positions: torch.Tensor  # [max_batch]
-    slot_mapping: torch.Tensor  # [max_batch]
-    context_lens: torch.Tensor  # [max_batch]
-    block_tables: torch.Tensor  # [max_batch, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor  # [max_batch + 1] = arange
+    vectors [4, max_batch]: input ids, positions, slots, context lens (one copy per step fills
+    them, from the [4, P] array that build_inputs uploads already padded);
+    block_tables [max_batch, max_blocks]: a step copies the columns its contexts use; entries
+    past a sequence's context are never read."""
 
-    @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> DecodeBuffers:
-        long = dict(dtype=torch.int64, device=device)
-        return cls(torch.zeros(max_batch, **long), torch.zeros(max_batch, **long),
-                   torch.full((max_batch,), -1, **long), torch.ones(max_batch, **long),
-                   torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
-                   torch.arange(max_batch + 1, **long))
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
+        self.vectors = torch.zeros(4, max_batch, dtype=torch.int64, device=device)
+        self.vectors[2], self.vectors[3] = -1, 1
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
 
-    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, padded: int) -> None:
-        """Copy a decode batch of B sequences into rows [0, B) and make rows [B, padded) inert."""
-        b, width = input_ids.shape[0], meta.block_tables.shape[1]
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.context_lens[:b].copy_(meta.context_lens)
-        self.block_tables[:b, :width].copy_(meta.block_tables)
-        self.input_ids[b:padded].zero_()
-        self.positions[b:padded].zero_()
-        self.slot_mapping[b:padded].fill_(-1)
-        self.context_lens[b:padded].fill_(1)
-        self.block_tables[b:padded].zero_()
+    def fill(self, inputs) -> int:
+        """Copy a padded decode batch (ModelInputs with decode_rows) in; returns its size P."""
+        padded, width = inputs.decode_rows.shape[1], inputs.meta.block_tables.shape[1]
+        self.vectors[:, :padded].copy_(inputs.decode_rows)
+        self.block_tables[:padded, :width].copy_(inputs.meta.block_tables)
+        return padded
 
-    def meta(self, batch: int, max_context_len: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:batch], self.block_tables[:batch], self.context_lens[:batch],
-                                 self.query_start_loc[:batch + 1], max_query_len=1, max_context_len=max_context_len)
+    def args(self, batch: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of the graph of this batch size."""
+        ids, positions, slots, context_lens = self.vectors[:, :batch]
+        meta = AttentionMetadata(slots, self.block_tables[:batch], context_lens, self.query_start_loc[:batch + 1],
+                                 max_query_len=1, max_context_len=max_context_len)
+        return ids, positions, meta
 
 
 class DecodeGraphs:
@@ -73,7 +63,7 @@ class DecodeGraphs:
         self.model = model
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.buffers = DecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device)
+        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -84,12 +74,12 @@ class DecodeGraphs:
         pool = None
         buf = self.buffers
         for size in reversed(self.sizes):
-            meta = buf.meta(size, self.max_model_len)
-            self.model(buf.input_ids[:size], buf.positions[:size], meta)  # warm-up: compile kernels
+            args = buf.args(size, self.max_model_len)
+            self.model(*args)  # warm-up: compile kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(buf.input_ids[:size], buf.positions[:size], meta)
+                self.outputs[size] = self.model(*args)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -101,12 +91,8 @@ class DecodeGraphs:
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Hidden states of a decode batch from its graph, or None when no graph is large enough."""
-        batch = input_ids.shape[0]
-        padded = self.padded_size(batch)
-        if padded is None:
-            return None
-        self.buffers.fill(input_ids, positions, meta, padded)
+    def run(self, inputs) -> torch.Tensor:
+        """Hidden states of a decode batch already padded to a captured size (all P rows)."""
+        padded = self.buffers.fill(inputs)
         self.graphs[padded].replay()
-        return self.outputs[padded][:batch]
+        return self.outputs[padded]

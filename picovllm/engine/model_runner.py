@@ -26,16 +26,49 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states that are sampled
+    logits_indices: torch.Tensor | None  # rows of the hidden states that are sampled (None: all)
+    decode_rows: torch.Tensor | None = None  # decode: [4, B] = input_ids, positions, slots, context lens
+
+
+class Uploader:
+    """Moves a step's int64 arrays to the device in one copy: they are packed into a pinned host
+    buffer and copied with non_blocking; the tensors returned are views of one device buffer.
+    Both buffers are reused by the next step, which starts after this one's results were read."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host = self.dev = torch.empty(0, dtype=torch.int64)
+
+    ALIGN = 16  # elements: every array starts 128-byte aligned, so Triton compiles one variant
+    # of each kernel (it specialises on pointer alignment), not one per packing offset
+
+    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        if self.device.type != "cuda":
+            return [torch.from_numpy(a) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.size // self.ALIGN) * self.ALIGN
+        if self.host.numel() < total:
+            size = max(total, 2 * self.host.numel(), 1 << 16)
+            self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
+        staged = self.host.numpy()
+        for a, offset in zip(arrays, offsets):
+            staged[offset: offset + a.size] = a.ravel()
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        return [self.dev[offset: offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
 
 def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens: np.ndarray,
-                 block_tables: list[list[int]], block_size: int, device: torch.device) -> ModelInputs:
+                 block_tables: list[list[int]], block_size: int, upload, pad_to: int | None = None) -> ModelInputs:
     """Inputs for B sequences whose last query_lens[b] tokens (of num_tokens[b]) are computed.
-    token_ids[b] holds those new tokens."""
+    token_ids[b] holds those new tokens. pad_to (decode only) adds inert rows up to that batch
+    size: token 0 at position 0, slot -1 (nothing stored), a one-token context over block 0."""
     num_seqs = len(query_lens)
     width = max(1, max(len(t) for t in block_tables))
-    tables = np.zeros((num_seqs, width), dtype=np.int64)
+    rows = pad_to or num_seqs
+    tables = np.zeros((rows, width), dtype=np.int64)
     for b, table in enumerate(block_tables):
         tables[b, : len(table)] = table
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -45,21 +78,30 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
                  + (num_tokens - query_lens)[seq_of_token])
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     input_ids = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=int(query_start_loc[-1]))
-
-    def dev(a: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        t = torch.from_numpy(a).to(dtype)
-        if device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t
-
+    decode = int(query_start_loc[-1]) == num_seqs
+    if pad_to is not None:
+        assert decode and pad_to >= num_seqs, "only decode batches are padded"
+        query_start_loc = np.arange(rows + 1, dtype=np.int64)
+        vectors = np.zeros((4, rows), dtype=np.int64)  # input ids, positions, slots, context lens
+        vectors[2], vectors[3] = -1, 1
+        for i, v in enumerate((input_ids, positions, slots, num_tokens)):
+            vectors[i, :num_seqs] = v
+    else:
+        vectors = np.stack([input_ids, positions, slots, num_tokens]) if decode else None
+    if vectors is not None:  # decode: one [4, B] array, which CUDA graphs copy in one go
+        rows_dev, tables_dev, qsl_dev = upload(vectors, tables, query_start_loc)
+        input_ids_dev, positions_dev, slots_dev, ctx_dev = rows_dev
+        logits_indices = None
+    else:
+        input_ids_dev, positions_dev, slots_dev, ctx_dev, tables_dev, qsl_dev, logits_indices = upload(
+            input_ids, positions, slots, num_tokens.astype(np.int64), tables, query_start_loc, query_start_loc[1:] - 1)
+        rows_dev = None
     return ModelInputs(
-        input_ids=dev(input_ids),
-        positions=dev(positions),
-        meta=AttentionMetadata(slot_mapping=dev(slots), block_tables=dev(tables, torch.int32),
-                               context_lens=dev(num_tokens.astype(np.int64)),
-                               query_start_loc=dev(query_start_loc), max_query_len=int(query_lens.max()),
+        input_ids=input_ids_dev, positions=positions_dev,
+        meta=AttentionMetadata(slot_mapping=slots_dev, block_tables=tables_dev, context_lens=ctx_dev,
+                               query_start_loc=qsl_dev, max_query_len=int(query_lens.max()),
                                max_context_len=int(num_tokens.max())),
-        logits_indices=dev(query_start_loc[1:] - 1),
+        logits_indices=logits_indices, decode_rows=rows_dev,
     )
 
 
@@ -73,6 +115,7 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
         self.sampler = Sampler()
+        self.upload = Uploader(device)
         self.graphs: DecodeGraphs | None = None
 
     def kv_block_bytes(self) -> int:
@@ -114,19 +157,21 @@ class ModelRunner:
             token_ids = [r.token_ids[r.num_cached_tokens:] for r in reqs]
         else:
             query_lens, token_ids = np.ones_like(num_tokens), [r.token_ids[-1:] for r in reqs]
+        pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None and not is_prefill else None
         return build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
-                            self.block_size, self.device)
+                            self.block_size, self.upload, pad_to)
 
     @torch.inference_mode()
     def logits(self, reqs: list[Request], is_prefill: bool) -> torch.Tensor:
         """The raw logits of the positions that are sampled, one row per request."""
         inputs = self.prepare(reqs, is_prefill)
-        hidden = None
-        if not is_prefill and self.graphs is not None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        if hidden is None:
+        if inputs.decode_rows is not None and self.graphs is not None and self.graphs.padded_size(len(reqs)):
+            hidden = self.graphs.run(inputs)[: len(reqs)]
+        else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.logits_indices is not None:
+            hidden = hidden[inputs.logits_indices]
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def run(self, reqs: list[Request], is_prefill: bool) -> SamplerOutput:

@@ -18,8 +18,8 @@ _NEG_INF = float("-inf")
 
 @dataclass
 class SamplingTensors:
-    temperature: torch.Tensor  # [B], 1.0 on greedy rows
-    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor | None  # [B], 1.0 on greedy rows; None when all rows are greedy
+    greedy: torch.Tensor | None  # [B] bool; None when all rows are greedy
     top_k: torch.Tensor | None  # [B] int, vocab size where off
     top_p: torch.Tensor | None  # [B]
     min_p: torch.Tensor | None  # [B]
@@ -44,6 +44,7 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
         prompt_ids = output_ids = None
@@ -57,9 +58,8 @@ class SamplingTensors:
                 banned_rows += [i] * len(ids)
                 banned_ids += sorted(ids)
         return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                     dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, device=device),
+            temperature=None if all_greedy else column([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
+            greedy=None if all_greedy else torch.tensor(greedy, device=device),
             top_k=column(top_k, torch.long, off=vocab_size),
             top_p=column([p.top_p for p in params], off=1.0),
             min_p=column([p.min_p for p in params], off=0.0),
@@ -71,7 +71,7 @@ class SamplingTensors:
             banned=(torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device))
             if banned_rows else None,
             generators=[r.generator for r in reqs],
-            all_greedy=all(greedy),
+            all_greedy=all_greedy,
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 

@@ -38,8 +38,8 @@ def _engine_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache on CPU (default 2 GiB)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="run decode eagerly; --no-enforce-eager captures CUDA graphs (GPU only)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="run decode eagerly instead of replaying CUDA graphs captured at start-up (GPU only)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn prefix caching off")
     return p

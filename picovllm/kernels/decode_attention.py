@@ -1,32 +1,46 @@
 """Paged decode attention with GQA and split-K over the context (flash-decoding): one query per
-sequence; each (sequence, KV head, context partition) program attends its partition for all the
-query heads of the group, and a second kernel merges the partitions' partial softmaxes.
-The reference is paged_attention_ref (paged_attention.py), which serves decode as a q_len=1 case."""
+sequence; each (sequence, KV head, split) program attends one slice of the context for all the
+query heads of the group, and a second kernel merges the splits' partial softmaxes.
+
+The number of splits depends on the batch size alone (enough programs to fill the GPU), never on
+the contexts, so a CUDA graph captured for a batch size serves any context: each sequence cuts its
+own context into that many slices (rounded up to whole key tiles), and splits past its context
+exit at once. The reference is paged_attention_ref (paged_attention.py), which serves decode as a
+q_len=1 case."""
 import torch
 
 from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
-PARTITION = 512  # context tokens per program: long contexts at small batch still fill the GPU
+BLOCK_N = 32  # keys per inner-loop tile
+TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
+MAX_SPLITS = 32
 
 
-@triton.jit
+def num_splits(batch: int, num_kv_heads: int) -> int:
+    """Splits per (sequence, KV head): a power of two giving about TARGET_PROGRAMS programs."""
+    want = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
+    return min(MAX_SPLITS, next_pow2(want))
+
+
+@triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _decode_partition_kernel(
     q, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l,
     s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
     s_ab, s_ah, s_as, s_mb, s_mh,
     scale, block_size, head_dim, group,
-    PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens + b)
-    start = split * PARTITION
+    part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * part
     if start >= ctx:
         return
-    end = tl.minimum(start + PARTITION, ctx)
+    end = tl.minimum(start + part, ctx)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * group + g
@@ -49,14 +63,14 @@ def _decode_partition_kernel(
 @triton.jit
 def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, out,
                          s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, head_dim,
-                         PARTITION: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(context_lens + b)
-    num_splits = tl.cdiv(ctx, PARTITION)
-    s = tl.arange(0, BLOCK_S)
+    part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    s = tl.arange(0, SPLITS)
     d = tl.arange(0, BLOCK_D)
-    smask = s < num_splits
+    smask = s * part < ctx
     m = tl.load(part_m + b * s_mb + h * s_mh + s, mask=smask, other=float("-inf"))
     l = tl.load(part_l + b * s_mb + h * s_mh + s, mask=smask, other=0.0)
     w = tl.where(smask, tl.exp(m - tl.max(m, axis=0)), 0.0)
@@ -68,13 +82,13 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, out,
 
 def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            max_context_len: int) -> torch.Tensor:
+                            splits: int | None = None) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
-    max_context_len bounds the number of partitions (a CUDA graph passes max_model_len)."""
+    splits: per (sequence, KV head), a power of two; num_splits(B, kv_heads) unless given."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_splits = triton.cdiv(max(max_context_len, 1), PARTITION)
+    max_splits = splits or num_splits(batch, num_kv_heads)
     part_acc = torch.empty((batch, num_heads, max_splits, head_dim), dtype=torch.float32, device=query.device)
     part_m = torch.empty((batch, num_heads, max_splits), dtype=torch.float32, device=query.device)
     part_l = torch.empty_like(part_m)
@@ -84,7 +98,7 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
         scale, k_cache.shape[1], head_dim, group,
-        PARTITION=PARTITION, BLOCK_N=64, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         PRECISION=dot_precision(query.dtype),
     )
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -92,6 +106,6 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         part_acc, part_m, part_l, context_lens, out,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
         out.stride(0), out.stride(1), head_dim,
-        PARTITION=PARTITION, BLOCK_S=max(2, next_pow2(max_splits)), BLOCK_D=block_d,
+        SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
     )
     return out

@@ -1,7 +1,16 @@
-"""Write a step's K and V into the paged cache through slot_mapping."""
+"""RoPE on a step's queries and keys, fused with writing K and V into the paged cache through
+slot_mapping (one launch per layer instead of three). Rotate-half layout, as Hugging Face's
+Qwen2 and Llama."""
 import torch
 
-from picovllm.kernels.triton_utils import next_pow2, tl, triton
+from picovllm.kernels.triton_utils import next_pow2, tl, triton, use_triton
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim // 2] for each token."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -15,34 +24,72 @@ def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
 
 
+def rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """Rotates q and k, stores the rotated k and v in the cache, returns the rotated q."""
+    store_kvcache_ref(rotary_ref(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return rotary_ref(q, cos, sin)
+
+
 @triton.jit
-def _store_kvcache_kernel(
-    key, value, k_cache, v_cache, slot_mapping,
-    s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,  # key / value strides (token, head, dim)
+def _rotate(x, t, h, d, s_xt, s_xh, s_xd, c, s, mask, half):
+    """Rotated halves of heads h of token t; each product rounded to the model dtype before the
+    sum, as the reference computes it."""
+    dt = x.dtype.element_ty
+    x1 = tl.load(x + t * s_xt + h * s_xh + d * s_xd, mask=mask).to(tl.float32)
+    x2 = tl.load(x + t * s_xt + h * s_xh + (d + half) * s_xd, mask=mask).to(tl.float32)
+    o1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _rope_store_kernel(
+    q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+    s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct, s_ot, s_oh,
     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,  # cache strides (block, slot, head, dim)
-    block_size, num_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    block_size, num_heads, num_kv_heads, half,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    if slot < 0:
+    t = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dmask = d < half
+    c = tl.load(cos + t * s_ct + d, mask=dmask).to(tl.float32)
+    s = tl.load(sin + t * s_ct + d, mask=dmask).to(tl.float32)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    mask = (h < num_heads) & dmask
+    o1, o2 = _rotate(q, t, h, d, s_qt, s_qh, s_qd, c, s, mask, half)
+    tl.store(q_out + t * s_ot + h * s_oh + d, o1, mask=mask)
+    tl.store(q_out + t * s_ot + h * s_oh + d + half, o2, mask=mask)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    if slot < 0:  # padding token: nothing stored
         return
     blk = slot // block_size
     off = slot % block_size
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < num_heads) & (d < head_dim)
-    k = tl.load(key + token * s_kt + h * s_kh + d * s_kd, mask=mask)
-    v = tl.load(value + token * s_vt + h * s_vh + d * s_vd, mask=mask)
-    tl.store(k_cache + blk * c_kb + off * c_ks + h * c_kh + d * c_kd, k, mask=mask)
-    tl.store(v_cache + blk * c_vb + off * c_vs + h * c_vh + d * c_vd, v, mask=mask)
+    kh = tl.arange(0, BLOCK_KH)[:, None]
+    kmask = (kh < num_kv_heads) & dmask
+    k1, k2 = _rotate(k, t, kh, d, s_kt, s_kh, s_kd, c, s, kmask, half)
+    kdst = k_cache + blk * c_kb + off * c_ks + kh * c_kh
+    tl.store(kdst + d * c_kd, k1, mask=kmask)
+    tl.store(kdst + (d + half) * c_kd, k2, mask=kmask)
+    vdst = v_cache + blk * c_vb + off * c_vs + kh * c_vh
+    vsrc = v + t * s_vt + kh * s_vh
+    tl.store(vdst + d * c_vd, tl.load(vsrc + d * s_vd, mask=kmask), mask=kmask)
+    tl.store(vdst + (d + half) * c_vd, tl.load(vsrc + (d + half) * s_vd, mask=kmask), mask=kmask)
 
 
-def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
-    num_tokens, num_heads, head_dim = key.shape
-    _store_kvcache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        k_cache.shape[1], num_heads, head_dim,
-        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    half = head_dim // 2
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    _rope_store_kernel[(num_tokens,)](
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        *q.stride(), *k.stride(), *v.stride(), cos.stride(0), q_out.stride(0), q_out.stride(1),
+        *k_cache.stride(), *v_cache.stride(), k_cache.shape[1], num_heads, k.shape[1], half,
+        BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half),
     )
+    return q_out
+
+
+def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    fn = rope_and_store_triton if use_triton(q) else rope_and_store_ref
+    return fn(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

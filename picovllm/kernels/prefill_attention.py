@@ -8,7 +8,7 @@ from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _prefill_kernel(
     q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
     s_qt, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw, s_ot, s_oh,

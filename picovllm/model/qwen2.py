@@ -1,8 +1,11 @@
 """The Qwen2 / Qwen2.5 and Llama-architecture decoder, written from scratch.
 
 One class serves both: Qwen2 has QKV bias, Llama (SmolLM2, Llama-3) none; heads may be tied to
-the embedding or not. forward() takes tensors only and returns hidden states; compute_logits()
-applies the LM head to the positions that are sampled.
+the embedding or not. forward() takes tensors only and returns the residual stream after the
+last layer; compute_logits() applies the final norm and the LM head to the positions that are
+sampled. Each norm is handed to the projection that consumes it, and each sublayer adds its
+output to the residual stream itself, so that at decode batch 1 on the GPU norm, projection,
+activation and residual add are one kernel (model/layers/linear.py).
 """
 from __future__ import annotations
 
@@ -10,12 +13,11 @@ import torch
 from torch import nn
 
 from picovllm.config import ModelConfig
-from picovllm.model.layers.activation import SiluAndMul
 from picovllm.model.layers.attention import AttentionMetadata, PagedAttention
 from picovllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from picovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from picovllm.model.layers.norm import RMSNorm
-from picovllm.model.layers.rotary import RotaryEmbedding, apply_rotary
+from picovllm.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -28,15 +30,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.attn = PagedAttention(self.num_heads, cfg.head_dim, self.num_kv_heads)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, norm: RMSNorm, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
+        """hidden + attention(norm(hidden))"""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, norm).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos_sin)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.flatten(1))
+        out = self.attn(q, k, v, cos_sin, meta)
+        return self.o_proj(out.flatten(1), residual=hidden)
 
 
 class MLP(nn.Module):
@@ -44,10 +46,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """hidden + down(silu(gate(x)) * up(x)) with x = norm(hidden)"""
+        return self.down_proj(self.gate_up_proj(hidden, norm, silu_mul=True), residual=hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -59,8 +61,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = self.self_attn(hidden, self.input_layernorm, cos_sin, meta)
+        return self.mlp(hidden, self.post_attention_layernorm)
 
 
 class Model(nn.Module):
@@ -77,7 +79,7 @@ class Model(nn.Module):
         meta = self.layers[0].self_attn.attn.prepare(meta)
         for layer in self.layers:
             hidden = layer(hidden, cos_sin, meta)
-        return self.norm(hidden)
+        return hidden
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -102,7 +104,7 @@ class Qwen2ForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, norm=self.model.norm)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: store this step's K/V, then attend."""
+"""Attention over the paged KV cache: rotate this step's queries and keys, store K/V, then attend."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from picovllm.kernels.decode_attention import decode_attention_triton
-from picovllm.kernels.kv_store import store_kvcache_ref, store_kvcache_triton
+from picovllm.kernels.kv_store import rope_and_store
 from picovllm.kernels.paged_attention import AttentionPlan, paged_attention_ref, plan_paged_attention
 from picovllm.kernels.prefill_attention import prefill_attention_triton
 from picovllm.kernels.triton_utils import use_triton
@@ -52,13 +52,14 @@ class PagedAttention(nn.Module):
             meta.block_tables, meta.context_lens, meta.query_start_loc, self.k_cache.shape[1],
             meta.max_query_len, meta.max_context_len))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q, k, v: [num_tokens, heads, head_dim] before RoPE; cos_sin: each token's rotation."""
+        q = rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
         if not use_triton(q):
-            store_kvcache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, self.scale)
-        store_kvcache_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                           self.scale, meta.max_context_len)
+                                           self.scale)
         return prefill_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                         meta.query_start_loc, self.scale, meta.max_query_len)

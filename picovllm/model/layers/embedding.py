@@ -39,10 +39,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the given hidden states only (the caller selects the sampled positions)."""
+    """Logits for the given hidden states only (the caller selects the sampled positions), after
+    the model's final norm (fused into the head at decode batch 1 on the GPU)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+    def forward(self, hidden: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        logits = linear(hidden, self.weight, norm=norm)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]

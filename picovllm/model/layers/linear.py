@@ -2,8 +2,14 @@
 
 Each parameter has a ``weight_loader(param, loaded, shard_id=None)`` that copies the part of
 a checkpoint tensor that belongs to this rank (and, for fused layers, to this shard).
+
+A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
+gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
+is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -11,15 +17,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
+from picovllm.kernels.gemv import gemv_triton
+from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
+from picovllm.kernels.triton_utils import use_triton
+
+GEMV_ENABLED = os.environ.get("PICOVLLM_DISABLE_GEMV", "") in ("", "0")  # for before/after benchmarks
+# Rows up to which the fused GEMV replaces cuBLAS: on the H200 it wins at one row, and loses at
+# eight (it reduces with CUDA cores; benchmarks/README.md)
+GEMV_MAX_ROWS = 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T + bias. On the CPU a single row goes through matrix-vector kernels, which
-    stream the weight about 1.7x faster than the GEMM path for M = 1 (benchmarks/README.md)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: nn.Module | None = None,
+           residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """residual + act(norm(x) @ weight.T + bias), where act is SiLU*mul of the two output halves
+    when silu_mul is set. On the CPU a single row goes through matrix-vector kernels, which stream
+    the weight about 1.7x faster than the GEMM path for M = 1 (benchmarks/README.md)."""
+    if GEMV_ENABLED and use_triton(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv_triton(x, weight, bias, norm.weight if norm is not None else None,
+                           norm.eps if norm is not None else 0.0, residual, silu_mul)
+    if norm is not None:
+        x = norm(x)
     if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu":
-        y = torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0])
-        return y[None]
-    return F.linear(x, weight, bias)
+        y = (torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0]))[None]
+    else:
+        y = F.linear(x, weight, bias)
+    if silu_mul:
+        y = silu_mul_op(y)
+    return y if residual is None else residual + y
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -52,8 +76,8 @@ class LinearBase(nn.Module):
             loaded = loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
         _copy_checked(param.data, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, norm=norm)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -78,6 +102,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         shard = loaded.chunk(self.tp_size, 0)[self.tp_rank]
         _copy_checked(param.data.narrow(0, offset, size), shard)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: SiLU of the first output half times the second (gate and up projections)."""
+        return linear(x, self.weight, self.bias, norm=norm, silu_mul=silu_mul)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -107,9 +135,11 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"input size {in_features} is not divisible by tp_size {tp}")
         super().__init__(in_features // tp, out_features, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + x @ weight.T (+ bias); partial sums are reduced before the residual add."""
         bias = self.bias if self.tp_rank == 0 else None
+        if self.tp_size == 1:
+            return linear(x, self.weight, bias, residual=residual)
         y = linear(x, self.weight, bias)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        dist.all_reduce(y)
+        return y if residual is None else residual + y

@@ -1,12 +1,11 @@
-"""Rotary embedding with a precomputed cos/sin table (fp32 math, stored in the model dtype)."""
+"""Rotary embedding's cos/sin table (fp32 math, stored in the model dtype); the rotation itself is
+fused with the KV-cache store (kernels/kv_store.py)."""
 from __future__ import annotations
 
 import math
 
 import torch
 from torch import nn
-
-from picovllm.kernels.rotary import rotary
 
 
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -42,6 +41,3 @@ class RotaryEmbedding(nn.Module):
         """cos and sin for each token, [num_tokens, head_dim // 2]; computed once per forward."""
         return self.cos[positions], self.sin[positions]
 
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-    return rotary(q, *cos_sin), rotary(k, *cos_sin)

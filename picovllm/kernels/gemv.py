@@ -1,0 +1,145 @@
+"""Linear layers for a few rows (decode at small batch) as one GEMV kernel that streams the
+weight once, with the layer's neighbours fused in:
+
+    out = residual + act(rmsnorm(x) @ weight.T + bias)
+
+- RMSNorm of the input in the prologue: every program reads the whole (small) input anyway, so
+  it computes the row's rms itself and no separate norm kernel or normed copy is needed;
+- bias in the epilogue; SiLU*mul of a fused gate_up in the epilogue (each program reads the
+  gate rows and the matching up rows, so the [M, 2I] intermediate never exists);
+- the residual add in the epilogue.
+
+Rounding follows the unfused reference step by step (fused_linear_ref): the normed input is
+rounded to the model dtype, as are the linear output, the SiLU output and the residual sum.
+On the H200 at one row this beats cuBLAS plus the separate norm / activation / add kernels on
+every projection of Qwen2.5-1.5B; at eight rows the CUDA-core reduction loses to cuBLAS's tensor
+cores (benchmarks/README.md), so the model uses it at one row.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from picovllm.kernels.rms_norm import rms_norm_ref
+from picovllm.kernels.silu_mul import silu_mul_ref
+from picovllm.kernels.triton_utils import next_pow2, tl, triton
+
+MAX_ROWS = 8  # the kernel's limit; model/layers/linear.py uses it where it beats cuBLAS
+
+
+def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """What gemv_triton computes, op by op. weight: [N, K], or [2I, K] for silu_mul (gate rows,
+    then up rows)."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    if silu_mul:
+        y = silu_mul_ref(y)
+    return y if residual is None else residual + y
+
+
+@triton.jit
+def _normed(xv, rstd, norm_weight, k, kmask, dt):
+    """RMSNorm of an input tile, rounded as rms_norm_ref rounds: x * rstd, then * weight."""
+    g = tl.load(norm_weight + k, mask=kmask, other=0.0).to(tl.float32)
+    xv = (xv * rstd[:, None]).to(dt).to(tl.float32)
+    return (g[None, :] * xv).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x, weight, bias, norm_weight, residual, out,
+    M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
+    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    dt = out.dtype.element_ty
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    nmask = n < N
+    mmask = m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if ONE_TILE:  # K <= BLOCK_K: weight loads are issued first, their latency hides the norm's
+        k = tl.arange(0, BLOCK_K)
+        kmask = k < K
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+        if SILU_MUL:
+            wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+        xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
+                     other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / K + eps)
+            xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+        acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if SILU_MUL:
+            acc_up += tl.sum(xv[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
+    else:
+        if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
+            sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & (k[None, :] < K),
+                             other=0.0).to(tl.float32)
+                sq += xv * xv
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            wmask = nmask[:, None] & kmask[None, :]
+            w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0).to(tl.float32)
+            xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)
+            if HAS_NORM:
+                xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+            acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+            if SILU_MUL:
+                wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask,
+                             other=0.0).to(tl.float32)
+                acc_up += tl.sum(xv[:, None, :] * wu[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dt)
+    if SILU_MUL:
+        gate = y.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt)  # rounded like F.silu's output
+        y = (act.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    omask = mmask[:, None] & nmask[None, :]
+    if HAS_RESIDUAL:
+        res = tl.load(residual + m[:, None] * s_rm + n[None, :], mask=omask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
+    tl.store(out + m[:, None] * s_om + n[None, :], y, mask=omask)
+
+
+def gemv_config(rows: int, n: int, k: int) -> dict:
+    """Tile sizes from a sweep on the H200 at one row (benchmarks/README.md): wide K tiles (2048)
+    and 2 output rows per program (over 700 programs for every projection of Qwen2.5-1.5B);
+    8 rows for the LM head. At most 16K products in registers."""
+    block_m = next_pow2(rows)
+    block_n = 8 if n >= 65536 else 2
+    block_k = max(16, min(2048, next_pow2(k), 16384 // (block_m * block_n)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
+                num_warps: int = 4) -> torch.Tensor:
+    rows, k = x.shape
+    assert rows <= MAX_ROWS, f"gemv serves at most {MAX_ROWS} rows, got {rows}"
+    assert not (silu_mul and bias is not None), "a fused gate_up has no bias"
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    cfg = config or gemv_config(rows, n, k)
+    res = residual if residual is not None else out
+    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        res, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        res.stride(0), out.stride(0), n, eps,
+        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], num_warps=num_warps, **cfg,
+    )
+    return out
