@@ -3,8 +3,14 @@
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
 #   stages: tests latency throughput prefix serve (default: all; each fits one 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check).
+# The lent H200 lacks the server's packages: carry them as wheels in .whl/ (see benchmarks/README.md);
+# they are installed into /tmp/site when present.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 MODEL=${MODEL:-dummy:qwen2.5-1.5b}
 STAGES=${*:-tests latency throughput prefix serve}
@@ -17,26 +23,26 @@ for stage in $STAGES; do
     tests)
       echo "== tests (engine on CUDA) =="
       PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" \
-          | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs)" | tail -30 ;;
+          | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs|fused|trained)" | tail -30 ;;
     latency)
-      echo "== latency: eager, CUDA graphs, HF baseline =="
-      $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 2>&1 \
-          | grep -v "it/s\]" | tee "$OUT/latency.log"
+      echo "== latency: CUDA graphs (the default), HF baselines =="
       $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \
-          --no-enforce-eager --plot "$OUT/latency_graphs.png" 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
+          --plot "$OUT/latency_graphs.png" 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
       HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
-      $BENCH latency --model "$MODEL" --batch-sizes 1 --input-len 128 --output-len 128 --no-enforce-eager \
+      $BENCH latency --model "$MODEL" --batch-sizes 1 --input-len 128 --output-len 128 \
           $HF_FLAGS 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log" ;;
     throughput)
       echo "== throughput =="
-      $BENCH throughput --model "$MODEL" --max-model-len 4096 --no-enforce-eager 2>&1 | grep -v "it/s\]" \
+      $BENCH throughput --model "$MODEL" --max-model-len 4096 2>&1 | grep -v "it/s\]" \
           | tee "$OUT/throughput.log" ;;
     prefix)
       echo "== prefix caching =="
-      $BENCH prefix --model "$MODEL" --no-enforce-eager 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log" ;;
+      $BENCH prefix --model "$MODEL" 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log" ;;
     serve)
-      echo "== serving =="
-      $BENCH serve --model "$MODEL" --no-enforce-eager --concurrency 64 --num-prompts 256 --input-len 512 \
+      echo "== serving (and the offline decode step at the same batch size, for its ITL) =="
+      $BENCH latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
+          | grep -v "it/s\]" | tee "$OUT/offline64.log"
+      $BENCH serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
@@ -45,7 +51,7 @@ done
 echo "== summary =="
 python3 - "$OUT" <<'PY'
 import json, os, sys
-for name in ("latency.log", "latency_graphs.log", "hf.log", "throughput.log", "prefix.log", "serve.log"):
+for name in ("latency_graphs.log", "hf.log", "offline64.log", "throughput.log", "prefix.log", "serve.log"):
     path = os.path.join(sys.argv[1], name)
     if not os.path.exists(path):
         continue

@@ -29,7 +29,9 @@ def test_throughput(tiny_qwen, capsys):
 
 
 def test_prefix_scenarios(tiny_qwen, capsys):
-    kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20}
+    # as the CLI passes them: the engine options include the prefix-caching flag, which it overrides
+    kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20,
+              "enable_prefix_caching": True}
     rows = run_prefix(kwargs, repeat=1, scale=0.1)
     by_name = {r["scenario"][0]: r for r in rows}
     assert by_name["b"]["hit_rate_on"] > 0.5 and by_name["b"]["hit_rate_off"] == 0
