@@ -138,6 +138,9 @@ class EngineConfig:
     load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
+    # Prompts longer than what a step's token budget has left are prefilled over several steps,
+    # mixed with the decodes of running requests (vLLM's default).
+    enable_chunked_prefill: bool = True
     # CUDA graphs for decode are captured at start-up (GPU only) unless this is set, as in vLLM.
     enforce_eager: bool = False
 

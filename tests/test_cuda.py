@@ -86,9 +86,11 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
     ours, seqs = [], []
     while engine.has_unfinished_requests():  # logits of the prefill and of each decode step
         batch = engine.scheduler.schedule()
-        ours.append(engine.model_runner.logits(batch.requests, batch.is_prefill).float())
+        ours.append(engine.model_runner.logits(batch).float())
         seqs += [list(r.token_ids) for r in batch.requests]
         sampled = engine.model_runner.sampler(ours[-1], _greedy(engine, batch.requests))
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
         engine._process(batch.requests, sampled.sampled.tolist(), sampled)
     ours = torch.cat(ours)
     from transformers import AutoModelForCausalLM

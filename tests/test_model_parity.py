@@ -50,26 +50,29 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     batch = engine.scheduler.schedule()
-    assert batch.is_prefill and len(batch.requests) == 4
-    ours = engine.model_runner.logits(batch.requests, True)
+    assert batch.num_new_tokens == [len(p) for p in prompts] and not batch.is_decode
+    ours = engine.model_runner.logits(batch)
     with torch.no_grad():
         for row, p in zip(ours, prompts):
             ref = hf(torch.tensor([p])).logits[0, -1]
             torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
-    _process(engine, batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
+    _process(engine, batch, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
     for _ in range(3):  # decode steps: compare logits of the next position
         batch = engine.scheduler.schedule()
-        assert not batch.is_prefill
-        ours = engine.model_runner.logits(batch.requests, False)
+        assert batch.is_decode
+        ours = engine.model_runner.logits(batch)
         with torch.no_grad():
             for row, req in zip(ours, batch.requests):
                 ref = hf(torch.tensor([req.token_ids])).logits[0, -1]
                 torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
-        _process(engine, batch.requests, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
+        _process(engine, batch, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
 
 
-def _process(engine, reqs, sampled):
-    engine._process(reqs, sampled.sampled.tolist(), sampled)
+def _process(engine, batch, sampled):
+    """What LLMEngine.step does after the forward (every request here samples)."""
+    for req, n in zip(batch.requests, batch.num_new_tokens):
+        req.num_computed_tokens += n
+    engine._process(batch.requests, sampled.sampled.tolist(), sampled)
 
 
 def _greedy_tensors(engine, reqs):

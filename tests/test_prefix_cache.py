@@ -192,13 +192,14 @@ def test_same_step_requests_share_the_prefix(llms):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_randomised_stress_with_invariants(tiny_qwen, seed):
+@pytest.mark.parametrize("seed,budget", [(1, None), (2, None), (3, 7)])
+def test_randomised_stress_with_invariants(tiny_qwen, seed, budget):
     """Shared prefixes diverging anywhere, arrivals in the same and in different steps, aborts,
     preemption and a pool small enough to force eviction; invariants after every step; outputs
-    equal to a cache-free engine; every block free after reset_prefix_cache()."""
+    equal to a cache-free engine; every block free after reset_prefix_cache(). budget 7: prompts
+    are prefilled in chunks of at most 7 tokens, mixed with decodes."""
     llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=24,
-                   max_model_len=80, max_num_seqs=5)
+                   max_model_len=80, max_num_seqs=5, max_num_batched_tokens=budget)
     engine = llm.llm_engine
     rng = random.Random(seed)
     prompts = _workload(seed, n=30)

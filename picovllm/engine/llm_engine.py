@@ -1,8 +1,8 @@
 """LLMEngine: requests in, one scheduled forward per step(), RequestOutputs out.
 
-    batch = scheduler.schedule()                   # who runs, prefill or decode
-    sampled = model_runner.run(batch)              # tensors -> model -> sampler
-    outputs = self._process(batch, sampled)        # append tokens, detokenize, finish, free
+    batch = scheduler.schedule()                   # who runs, and how many tokens each
+    reqs, sampled = model_runner.run(batch)        # tensors -> model -> sampler
+    outputs = self._process(reqs, tokens, sampled) # append tokens, detokenize, finish, free
 """
 from __future__ import annotations
 
@@ -85,11 +85,16 @@ class LLMEngine:
             logger.warning("max_model_len lowered from %d to %d, what the KV cache holds", max_model_len, capacity)
             max_model_len = capacity
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(_DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                                                           max_model_len)
-        if self.max_num_batched_tokens < max_model_len:
+        default_budget = _DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if not config.enable_chunked_prefill:  # a prompt must fit one step
+            default_budget = max(default_budget, max_model_len)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({max_model_len}): prompts are prefilled in one step")
+                             f"({max_model_len}) without chunked prefill: prompts are prefilled in one step")
+        if self.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({config.max_num_seqs}): every running request decodes a token per step")
 
         attn = self.model_runner.model.attention_layers()[0]
         block_bytes = self.model_runner.kv_block_bytes()
@@ -102,7 +107,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_capture_s = self.model_runner.capture_graphs(config.max_num_seqs, max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching, config.enable_chunked_prefill)
         self.groups: dict[str, _Group] = {}
         # PICOVLLM_CHECK_INVARIANTS=1: verify block reference counts, tree locks and block
         # conservation after every step (slow; for debugging)
@@ -210,18 +215,23 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        sampled = self.model_runner.run(batch.requests, batch.is_prefill)
+        reqs, sampled = self.model_runner.run(batch)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
         launched = time.perf_counter()
-        tokens = sampled.sampled.tolist()  # the step's one device-to-host transfer (and its sync)
+        tokens = sampled.sampled.tolist() if reqs else []  # the step's one device-to-host transfer
         synced = time.perf_counter()
-        outputs = self._process(batch.requests, tokens, sampled)
+        outputs = self._process(reqs, tokens, sampled)
         if self.debug_invariants:
             self.check_invariants()
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)
         self.num_steps += 1
         return outputs
 
-    def _process(self, reqs: list[Request], tokens: list[int], out: SamplerOutput) -> list[RequestOutput]:
+    def _process(self, reqs: list[Request], tokens: list[int], out: SamplerOutput | None) -> list[RequestOutput]:
+        """Append each sampling request's token; a step of prompt chunks alone samples nothing."""
+        if out is None:
+            return []
         logprob_rows = self._logprob_rows(out) if out.sampled_logprobs is not None else None
         changed: dict[str, None] = {}
         for i, (req, token) in enumerate(zip(reqs, tokens)):

@@ -15,6 +15,7 @@ from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.cuda_graph import DecodeGraphs
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
+from picovllm.engine.scheduler import ScheduledBatch
 from picovllm.model.layers.attention import AttentionMetadata
 from picovllm.model.loader.model_loader import load_model
 
@@ -61,10 +62,12 @@ class Uploader:
 
 
 def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens: np.ndarray,
-                 block_tables: list[list[int]], block_size: int, upload, pad_to: int | None = None) -> ModelInputs:
+                 block_tables: list[list[int]], block_size: int, upload, pad_to: int | None = None,
+                 sample: np.ndarray | None = None) -> ModelInputs:
     """Inputs for B sequences whose last query_lens[b] tokens (of num_tokens[b]) are computed.
-    token_ids[b] holds those new tokens. pad_to (decode only) adds inert rows up to that batch
-    size: token 0 at position 0, slot -1 (nothing stored), a one-token context over block 0."""
+    token_ids[b] holds those new tokens; sample[b] (default all) marks the sequences whose last
+    new token is sampled. pad_to (decode only) adds inert rows up to that batch size: token 0
+    at position 0, slot -1 (nothing stored), a one-token context over block 0."""
     num_seqs = len(query_lens)
     width = max(1, max(len(t) for t in block_tables))
     rows = pad_to or num_seqs
@@ -78,7 +81,7 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
                  + (num_tokens - query_lens)[seq_of_token])
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     input_ids = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=int(query_start_loc[-1]))
-    decode = int(query_start_loc[-1]) == num_seqs
+    decode = int(query_start_loc[-1]) == num_seqs and (sample is None or bool(sample.all()))
     if pad_to is not None:
         assert decode and pad_to >= num_seqs, "only decode batches are padded"
         query_start_loc = np.arange(rows + 1, dtype=np.int64)
@@ -93,8 +96,10 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         input_ids_dev, positions_dev, slots_dev, ctx_dev = rows_dev
         logits_indices = None
     else:
+        last = query_start_loc[1:] - 1
         input_ids_dev, positions_dev, slots_dev, ctx_dev, tables_dev, qsl_dev, logits_indices = upload(
-            input_ids, positions, slots, num_tokens.astype(np.int64), tables, query_start_loc, query_start_loc[1:] - 1)
+            input_ids, positions, slots, num_tokens.astype(np.int64), tables, query_start_loc,
+            last if sample is None else last[sample])
         rows_dev = None
     return ModelInputs(
         input_ids=input_ids_dev, positions=positions_dev,
@@ -150,23 +155,28 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size, self.device)
         return self.graphs.capture()
 
-    def prepare(self, reqs: list[Request], is_prefill: bool) -> ModelInputs:
-        num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        if is_prefill:  # the leading num_cached_tokens already have KV in cached blocks
-            query_lens = num_tokens - np.array([r.num_cached_tokens for r in reqs], dtype=np.int64)
-            token_ids = [r.token_ids[r.num_cached_tokens:] for r in reqs]
-        else:
-            query_lens, token_ids = np.ones_like(num_tokens), [r.token_ids[-1:] for r in reqs]
-        pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None and not is_prefill else None
+    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+        reqs = batch.requests
+        computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
+        num_tokens = computed + query_lens
+        token_ids = [r.token_ids[c: c + n] for r, c, n in zip(reqs, computed.tolist(), batch.num_new_tokens)]
+        sample = num_tokens == np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None and batch.is_decode else None
         return build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
-                            self.block_size, self.upload, pad_to)
+                            self.block_size, self.upload, pad_to, sample)
+
+    @staticmethod
+    def sampling_requests(batch: ScheduledBatch) -> list[Request]:
+        """The requests whose last token this step computes: each samples one token."""
+        return [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
 
     @torch.inference_mode()
-    def logits(self, reqs: list[Request], is_prefill: bool) -> torch.Tensor:
-        """The raw logits of the positions that are sampled, one row per request."""
-        inputs = self.prepare(reqs, is_prefill)
-        if inputs.decode_rows is not None and self.graphs is not None and self.graphs.padded_size(len(reqs)):
-            hidden = self.graphs.run(inputs)[: len(reqs)]
+    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The raw logits of the positions that are sampled, one row per sampling request."""
+        inputs = self.prepare(batch)
+        if inputs.decode_rows is not None and self.graphs is not None and self.graphs.padded_size(len(batch.requests)):
+            hidden = self.graphs.run(inputs)[: len(batch.requests)]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.logits_indices is not None:
@@ -174,8 +184,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, reqs: list[Request], is_prefill: bool) -> SamplerOutput:
+    def run(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
+        """One forward; the requests that sample and their samples (None when none samples)."""
+        reqs = self.sampling_requests(batch)
         # Sampling parameters go to the device before the forward is queued: a host-to-device
         # copy from pageable memory would otherwise wait for the whole forward to finish.
-        tensors = SamplingTensors.from_requests(reqs, self.model_cfg.vocab_size, self.eos_ids, self.device)
-        return self.sampler(self.logits(reqs, is_prefill), tensors)
+        tensors = SamplingTensors.from_requests(reqs, self.model_cfg.vocab_size, self.eos_ids, self.device) \
+            if reqs else None
+        logits = self.logits(batch)
+        return reqs, (self.sampler(logits, tensors) if reqs else None)

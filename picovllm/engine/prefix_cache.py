@@ -49,7 +49,8 @@ class PrefixCache:
 
     def acquire(self, req: Request) -> int:
         """Give req the cached full blocks of its longest cached prefix (leaving at least its
-        last token to compute) and lock them. Returns how many more blocks it needs."""
+        last token to compute) and lock them; they count as computed. Returns how many more
+        blocks it needs for all its tokens."""
         bm = self.block_manager
         if self.tree is not None:
             node, matched = self.tree.match_prefix(req.token_ids, req.num_tokens - 1)
@@ -58,6 +59,7 @@ class PrefixCache:
             bm.inc_ref(blocks)
             self.tree.lock(node, +1)
             req.lock_node, req.block_table, req.num_cached_tokens = node, blocks, num_cached
+        req.num_computed_tokens = req.num_cached_tokens
         return bm.blocks_needed(req.num_tokens) - len(req.block_table)
 
     def allocate(self, req: Request, n: int) -> None:

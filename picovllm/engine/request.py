@@ -11,7 +11,7 @@ from picovllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued, or preempted and waiting to be recomputed
-    RUNNING = enum.auto()  # holds blocks; its KV cache covers all tokens but the last sampled one
+    RUNNING = enum.auto()  # holds blocks; its KV covers its first num_computed_tokens tokens
     FINISHED = enum.auto()
 
 
@@ -31,6 +31,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose KV came from the prefix cache this admission
+        self.num_computed_tokens = 0  # leading tokens whose KV is in the cache (cached or computed)
         self.num_prompt_cached_tokens: int | None = None  # the same at its first admission (reported)
         self.lock_node = None  # the radix-tree node this request holds locked (prefix_cache.py)
         self.num_preemptions = 0

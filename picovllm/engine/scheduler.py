@@ -1,20 +1,26 @@
-"""Continuous batching: which requests run in the next forward.
+"""Continuous batching: which requests run in the next forward, and how many tokens each.
 
-Each step is either a prefill of newly admitted requests (FCFS, within max_num_seqs and
-max_num_batched_tokens, while blocks last) or a decode of all running requests. When a running
-request needs a block and none is free or evictable, the most recently admitted request is
-preempted: its computed blocks go into the prefix cache (when on), its references are released,
-and it goes back to the front of the queue, to be recomputed later, from the cache as far as its
-blocks have not been evicted meanwhile.
+A step mixes decodes and prefills under one token budget (max_num_batched_tokens), as vLLM's
+scheduler does: running requests come first, in admission order (one token each for decodes,
+the next chunk for a prompt still being prefilled), then waiting requests are admitted FCFS
+while the budget, max_num_seqs and the blocks last. With chunked prefill on, a prompt longer
+than what is left of the budget is prefilled over several steps; off, it waits for a step with
+room for all of it. A request samples a token only in the step that computes its last token.
+
+When a running request needs a block and none is free or evictable, the most recently admitted
+request is preempted: its computed blocks go into the prefix cache (when on), its references
+are released, and it goes back to the front of the queue, to be recomputed later, from the
+cache as far as its blocks have not been evicted meanwhile.
 
 Admission takes the longest cached prefix of a request's tokens (prefix_cache.py) and computes
-only the rest; the admitted prompt's full blocks go into the tree at once, so a request admitted
-later in the same step reuses them: within one forward every layer stores all new K/V before any
-query attends, so the second request reads blocks the first is filling in the same step.
+only the rest. The full blocks a step computes go into the tree when the step is scheduled, so
+a request admitted later in the same step reuses them: within one forward every layer stores
+all new K/V before any query attends, so the second request reads blocks the first is filling
+in the same step. Blocks that a later chunk will compute are not inserted before it runs.
 
-Invariant: a RUNNING request holds exactly blocks_needed(num_tokens - 1) blocks between steps
-(its KV cache covers every token but the last sampled one), and scheduling it for decode tops
-that up to blocks_needed(num_tokens); WAITING and FINISHED requests hold none.
+Invariant: between steps a RUNNING request holds blocks_needed(num_computed_tokens) blocks or
+more (its KV cache covers its first num_computed_tokens tokens; a decoding request's cover all
+but the last sampled token); WAITING and FINISHED requests hold none.
 """
 from __future__ import annotations
 
@@ -28,16 +34,23 @@ from picovllm.engine.request import Request, RequestStatus
 
 class ScheduledBatch(NamedTuple):
     requests: list[Request]
-    is_prefill: bool
+    num_new_tokens: list[int]  # tokens computed this step, from each request's num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request computes just its last token (and samples): a CUDA-graph step."""
+        return all(n == 1 and r.num_computed_tokens == r.num_tokens - 1
+                   for r, n in zip(self.requests, self.num_new_tokens))
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
         self.block_manager = block_manager
         self.cache = PrefixCache(block_manager, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -46,46 +59,19 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._admit()
-        if batch:
-            return ScheduledBatch(batch, is_prefill=True)
-        batch = self._decode_batch()
-        return ScheduledBatch(batch, is_prefill=False) if batch else None
+        batch = ScheduledBatch([], [])
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        self._admit(batch, budget)
+        return batch if batch.requests else None
 
-    def _admit(self) -> list[Request]:
-        cache = self.cache
-        batch: list[Request] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            needed = cache.acquire(req)
-            # Keep one block per running request in reserve for its next decode step, so that a
-            # new admission is not preempted straight away; an empty engine admits whatever fits.
-            reserve = len(self.running)
-            new_tokens = req.num_tokens - req.num_cached_tokens
-            if num_tokens + new_tokens > self.max_num_batched_tokens or needed + reserve > cache.num_available_blocks:
-                cache.release(req)
-                req.num_cached_tokens = 0
-                break
-            self.waiting.popleft()
-            cache.allocate(req, needed)
-            cache.insert(req, req.num_tokens)
-            if req.num_prompt_cached_tokens is None:
-                req.num_prompt_cached_tokens = req.num_cached_tokens
-                cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.append(req)
-            num_tokens += new_tokens
-        return batch
-
-    def _decode_batch(self) -> list[Request]:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         bm, cache = self.block_manager, self.cache
-        scheduled: list[Request] = []
         queue = deque(self.running)
-        while queue:
+        kept: list[Request] = []
+        while queue and budget > 0:
             req = queue.popleft()
-            missing = bm.blocks_needed(req.num_tokens) - len(req.block_table)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            missing = bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
             while missing > cache.num_available_blocks:
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -94,14 +80,46 @@ class Scheduler:
             else:
                 if missing:
                     cache.allocate(req, missing)
-                scheduled.append(req)
-        self.running = scheduled
-        return list(scheduled)  # a copy: finishing requests mutates self.running
+                if n > 1:  # a prompt chunk: its full blocks become shareable now (decodes wait for finish)
+                    cache.insert(req, req.num_computed_tokens + n)
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                kept.append(req)
+                budget -= n
+        self.running = kept + list(queue)  # those past the budget stay running, unscheduled this step
+        return budget
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        cache = self.cache
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cache.acquire(req)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget) if self.enable_chunked_prefill else remaining
+            needed = self.block_manager.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
+            # Keep one block per running request in reserve for its next decode step, so that a
+            # new admission is not preempted straight away; an empty engine admits whatever fits.
+            reserve = len(self.running)
+            if n > budget or needed + reserve > cache.num_available_blocks:
+                cache.release(req)
+                req.num_cached_tokens = req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            cache.allocate(req, needed)
+            cache.insert(req, req.num_computed_tokens + n)
+            if req.num_prompt_cached_tokens is None:
+                req.num_prompt_cached_tokens = req.num_cached_tokens
+                cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
 
     def _preempt(self, req: Request) -> None:
-        self.cache.insert(req, req.num_tokens - 1)  # keep its computed blocks: recompute mostly hits
+        self.cache.insert(req, req.num_computed_tokens)  # keep its computed blocks: recompute mostly hits
         self.cache.release(req)
-        req.num_cached_tokens = 0
+        req.num_cached_tokens = req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -114,7 +132,7 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-            self.cache.insert(req, req.num_tokens - 1)  # the last sampled token has no KV yet
+            self.cache.insert(req, req.num_computed_tokens)
         else:
             self.waiting.remove(req)
         self.cache.release(req)
@@ -125,5 +143,6 @@ class Scheduler:
         assert all(not r.block_table and r.lock_node is None and r.status == RequestStatus.WAITING
                    for r in self.waiting)
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
-        assert all(len(r.block_table) >= self.block_manager.blocks_needed(r.num_tokens - 1) for r in self.running)
+        assert all(len(r.block_table) >= self.block_manager.blocks_needed(r.num_computed_tokens)
+                   and 0 < r.num_computed_tokens < r.num_tokens for r in self.running)
         self.cache.check_invariants(self.running)

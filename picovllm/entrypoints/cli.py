@@ -33,7 +33,10 @@ def _engine_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: cuda when available)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one prefill step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of a step, decodes and prefill chunks together (default 8192)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill long prompts over several steps, mixed with decodes")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
@@ -60,7 +63,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                   kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  enable_chunked_prefill=args.enable_chunked_prefill)
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
     return kwargs
