@@ -1,6 +1,7 @@
 """The offline API, as in vLLM: LLM(...).generate(prompts, sampling_params) and .chat(...)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -8,7 +9,7 @@ from tqdm.auto import tqdm
 
 from picovllm.engine.llm_engine import LLMEngine, PromptType
 from picovllm.outputs import RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, str]]
 
@@ -58,6 +59,8 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling_params given for {len(prompts)} prompts")
         engine = self.llm_engine
         checked = [engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        # only finished outputs are used: the engine need not build the others every step
+        params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         ids = []
         for (text, token_ids), sp in zip(checked, params):
             rid = f"offline-{self._request_counter}"

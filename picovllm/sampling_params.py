@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """When LLMEngine.step() reports a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step that adds a token, with everything generated so far (streaming)
+    FINAL_ONLY = 2  # once, when it finishes (LLM.generate)
 
 
 @dataclass
@@ -36,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +83,7 @@ class SamplingParams:
         need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
              "logprobs", "must be an integer >= 0 or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "must be non-negative integers")
 

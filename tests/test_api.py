@@ -4,7 +4,7 @@ import pytest
 from conftest import make_llm
 from hf_reference import hf_greedy
 
-from picovllm import LLMEngine, SamplingParams
+from picovllm import LLMEngine, RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,23 @@ def test_streaming_steps_are_incremental(tiny_qwen):
         for out in engine.step():
             lengths.append(len(out.outputs[0].token_ids))
     assert lengths == [1, 2, 3, 4, 5]
+
+
+def test_final_only_outputs_come_once(tiny_qwen):
+    """RequestOutputKind.FINAL_ONLY (what LLM.generate uses): nothing until the whole group (n=2
+    here) has finished, then one output with everything; CUMULATIVE requests in the same steps
+    still report every step."""
+    engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    engine.add_request("final", "Hello", SamplingParams(n=2, max_tokens=4, ignore_eos=True, seed=1,
+                                                         output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("stream", "Hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen.append([(o.request_id, o.finished, [len(c.token_ids) for c in o.outputs]) for o in engine.step()])
+    assert seen == [[("stream", False, [1])], [("stream", False, [2])], [("stream", True, [3])],
+                    [("final", True, [4, 4])]]
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final")
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -23,7 +23,7 @@ from picovllm.engine.sampler import SamplerOutput
 from picovllm.engine.scheduler import Scheduler
 from picovllm.model.loader.model_loader import resolve_model
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("picovllm")
 
@@ -243,12 +243,20 @@ class LLMEngine:
             if reason is not None:
                 req.stop_reason = stop_reason
                 self.scheduler.finish(req, reason)
-            changed[req.parent_id] = None
-        return [self._output(rid) for rid in changed if rid in self.groups]
+            if req.params.output_kind is not RequestOutputKind.FINAL_ONLY or req.is_finished:
+                changed[req.parent_id] = None
+        outputs = []
+        for rid in changed:
+            group = self.groups.get(rid)
+            if group is not None and (group.children[0].params.output_kind is not RequestOutputKind.FINAL_ONLY
+                                      or all(r.is_finished for r in group.children)):
+                outputs.append(self._output(rid))
+        return outputs
 
     def _check_finished(self, req: Request, token: int) -> tuple[str | None, int | str | None]:
         p = req.params
-        past_min = req.num_output_tokens >= p.min_tokens
+        num_output = req.num_output_tokens
+        past_min = num_output >= p.min_tokens
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
         if past_min and token in p.stop_token_ids:
@@ -256,7 +264,7 @@ class LLMEngine:
         detokenize = self.detokenizer is not None and p.detokenize
         if detokenize and (stop := self.detokenizer.step(req)) is not None:
             return "stop", stop
-        if (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+        if (p.max_tokens is not None and num_output >= p.max_tokens) or req.num_tokens >= self.max_model_len:
             if detokenize and (stop := self.detokenizer.flush(req)) is not None:
                 return "stop", stop
             return "length", None

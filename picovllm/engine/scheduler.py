@@ -72,7 +72,7 @@ class Scheduler:
             req = queue.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             missing = bm.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
-            while missing > cache.num_available_blocks:
+            while missing > 0 and missing > cache.num_available_blocks:
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 if victim is req:
