@@ -23,7 +23,7 @@ for stage in $STAGES; do
     tests)
       echo "== tests (engine on CUDA) =="
       PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" \
-          | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs|fused|trained)" | tail -30 ;;
+          | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs|fused|trained|mixed)" | tail -30 ;;
     latency)
       echo "== latency: CUDA graphs (the default), HF baselines =="
       $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \

@@ -3,7 +3,7 @@ batch into the static buffers. (Capture and replay run in scripts/gpu_check.sh.)
 import numpy as np
 import torch
 
-from picovllm.engine.cuda_graph import DecodeBuffers, graph_batch_sizes
+from picovllm.engine.cuda_graph import DecodeBuffers, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from picovllm.engine.model_runner import Uploader, build_inputs
 
 
@@ -39,3 +39,52 @@ def test_prefill_inputs_sample_the_last_token_of_each_sequence():
     assert inputs.positions.tolist() == [0, 1, 2, 5]
     assert inputs.meta.slot_mapping.tolist() == [8, 9, 10, 1 * 4 + 1]
     assert inputs.logits_indices.tolist() == [2, 3] and inputs.decode_rows is None
+
+
+def test_mixed_graph_sizes_and_padding_choice():
+    assert mixed_graph_sizes(1) == [16] and mixed_graph_sizes(100) == [16, 32, 64, 128]
+    graphs = MixedGraphs(None, 100, max_num_seqs=4, max_model_len=64, block_size=4, device=torch.device("cpu"))
+    assert graphs.padded_size(16, 3) == 16 and graphs.padded_size(17, 3) == 32
+    assert graphs.num_seqs(16) == 4 and graphs.padded_size(10, 5) is None  # more sequences than captured
+    assert graphs.padded_size(129, 1) is None  # more tokens than the largest graph
+
+
+def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
+    """A decode and a prompt chunk in one step, padded as a mixed-step graph would take it
+    (16 tokens, 4 sequences), run through the same forward: the sampled rows' logits are those
+    of the unpadded step, and the padding stored nothing."""
+    from conftest import make_llm
+
+    from picovllm import SamplingParams
+
+    llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=12, max_num_seqs=4,
+                   enable_prefix_caching=False)
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", list(range(10, 16)), params)
+    engine.step()
+    engine.add_request("b", list(range(30, 50)), params)
+    batch = engine.scheduler.schedule()
+    assert batch.num_new_tokens == [1, 11] and not batch.is_decode
+    free_before = engine.block_manager.num_free_blocks
+    caches = [t.clone() for t in engine.block_manager.layer_caches()[0]]
+    unpadded = runner.logits(batch)
+    stored = [t.clone() for t in engine.block_manager.layer_caches()[0]]
+
+    class EagerMixed:  # MixedGraphs' padding without the graphs
+        num_seqs = staticmethod(lambda size: 4)
+        padded_size = staticmethod(lambda tokens, seqs: 16)
+        run = staticmethod(lambda inputs: runner.model(inputs.input_ids, inputs.positions, inputs.meta))
+
+    for t, saved in zip(engine.block_manager.layer_caches()[0], caches):
+        t.copy_(saved)
+    runner.mixed_graphs = EagerMixed()
+    inputs = runner.prepare(batch)
+    assert inputs.token_rows.shape == (3, 16) and inputs.token_rows[2, 12:].eq(-1).all()
+    assert inputs.meta.query_start_loc.tolist() == [0, 1, 12, 12, 12] and inputs.meta.context_lens.tolist()[2:] == [0, 0]
+    padded = runner.logits(batch)
+    torch.testing.assert_close(padded, unpadded, atol=1e-5, rtol=1e-5)
+    for t, expected in zip(engine.block_manager.layer_caches()[0], stored):
+        torch.testing.assert_close(t, expected, atol=1e-5, rtol=1e-5)
+    assert engine.block_manager.num_free_blocks == free_before

@@ -1,12 +1,21 @@
-"""CUDA graphs for decode: one graph per batch size in a ladder (1, 2, 4, 8, then steps of 16),
-captured at start-up in one shared memory pool over static input buffers. A step's inputs come
-padded to the next captured size (padding rows: slot -1, so nothing is stored, and a one-token
-context; model_runner.build_inputs), are copied into the buffers with two device copies, and the
-graph replays; larger batches run eagerly.
+"""CUDA graphs, captured at start-up over static input buffers.
+
+Decode: one graph per batch size in a ladder (1, 2, 4, 8, then steps of 16), in one shared
+memory pool. A step's inputs come padded to the next captured size (padding rows: slot -1, so
+nothing is stored, and a one-token context; model_runner.build_inputs), are copied into the
+buffers with two device copies, and the graph replays; larger batches run eagerly.
+
+Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: one graph
+per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
+max_num_seqs) sequences. Padding tokens belong to no sequence (slot -1, never attended to, their
+rows are never sampled); padding sequences have no tokens and no context. A step with prompt
+tokens runs eagerly otherwise, paying one launch per op (about 12 ms per forward of Qwen2.5-1.5B
+on an H200, whatever the length: benchmarks/README.md).
 
 Inside a graph nothing may allocate new memory outside the pool, sync with the host, or depend on
 data for control flow: the decode attention's grid depends on the batch size alone (each sequence
-cuts its own context into that many splits) and max_query_len = 1.
+cuts its own context into that many splits) and max_query_len = 1; the prefill attention's grid
+covers the graph's token count, and programs past their sequence's queries exit at once.
 """
 from __future__ import annotations
 
@@ -57,24 +66,27 @@ class DecodeBuffers:
         return ids, positions, meta
 
 
-class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+class _GraphSet:
+    """Graphs of one model over static buffers, one per size, sharing one memory pool."""
+
+    kind = "?"
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int]):
         self.model = model
-        self.max_model_len = max_model_len
-        self.sizes = graph_batch_sizes(max_num_seqs)
-        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
+        self.sizes = sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+
+    def args(self, size: int) -> tuple:
+        raise NotImplementedError
 
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every size, largest first (smaller graphs reuse its pool); returns seconds."""
         start = time.perf_counter()
         pool = None
-        buf = self.buffers
         for size in reversed(self.sizes):
-            args = buf.args(size, self.max_model_len)
+            args = self.args(size)
             self.model(*args)  # warm-up: compile kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -84,15 +96,87 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s", len(self.sizes),
+        logger.info("captured %d CUDA graphs (%s sizes %d..%d) in %.1f s", len(self.sizes), self.kind,
                     self.sizes[0], self.sizes[-1], elapsed)
         return elapsed
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+
+class DecodeGraphs(_GraphSet):
+    kind = "decode batch"
+
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        super().__init__(model, graph_batch_sizes(max_num_seqs))
+        self.max_model_len = max_model_len
+        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
+
+    def args(self, size: int) -> tuple:
+        return self.buffers.args(size, self.max_model_len)
 
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
     def run(self, inputs) -> torch.Tensor:
         """Hidden states of a decode batch already padded to a captured size (all P rows)."""
-        padded = self.buffers.fill(inputs)
-        self.graphs[padded].replay()
-        return self.outputs[padded]
+        return self.replay(self.buffers.fill(inputs))
+
+
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... up to the first power of two that covers max_tokens."""
+    sizes = [16]
+    while sizes[-1] < max_tokens:
+        sizes.append(2 * sizes[-1])
+    return sizes
+
+
+class MixedGraphs(_GraphSet):
+    """Steps with prompt tokens, by token count T (a power of two from 16), for up to
+    min(T, max_num_seqs) sequences.
+
+    tokens [3, max_tokens]: input ids, positions, slots; context_lens, query_start_loc and
+    block_tables for max_seqs sequences. A step copies its padded arrays in (four copies)."""
+
+    kind = "mixed step tokens"
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device):
+        super().__init__(model, mixed_graph_sizes(max_tokens))
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        seqs = self.num_seqs(self.sizes[-1])
+        long = dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(3, self.sizes[-1], **long)
+        self.tokens[2] = -1
+        self.context_lens = torch.zeros(seqs, **long)
+        self.query_start_loc = torch.zeros(seqs + 1, **long)
+        self.block_tables = torch.zeros(seqs, -(-max_model_len // block_size), **long)
+
+    def num_seqs(self, tokens: int) -> int:
+        """Sequences the graph of this token count serves (each has at least one token)."""
+        return min(tokens, self.max_num_seqs)
+
+    def padded_size(self, num_tokens: int, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs), None)
+
+    def args(self, size: int) -> tuple:
+        seqs = self.num_seqs(size)
+        ids, positions, slots = self.tokens[:, :size]
+        meta = AttentionMetadata(slots, self.block_tables[:seqs], self.context_lens[:seqs],
+                                 self.query_start_loc[:seqs + 1], max_query_len=size,
+                                 max_context_len=self.max_model_len)
+        return ids, positions, meta
+
+    def run(self, inputs) -> torch.Tensor:
+        """Hidden states (all T rows) of a step padded to a captured size by build_inputs."""
+        size = inputs.token_rows.shape[1]
+        seqs, width = inputs.meta.block_tables.shape
+        assert seqs == self.num_seqs(size), (seqs, size)
+        self.tokens[:, :size].copy_(inputs.token_rows)
+        self.context_lens[:seqs].copy_(inputs.meta.context_lens)
+        self.query_start_loc[:seqs + 1].copy_(inputs.meta.query_start_loc)
+        self.block_tables[:seqs, :width].copy_(inputs.meta.block_tables)
+        return self.replay(size)

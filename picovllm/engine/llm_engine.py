@@ -105,7 +105,8 @@ class LLMEngine:
         self.model_runner.bind_kv_cache(self.block_manager)
         self.graph_capture_s = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graph_capture_s = self.model_runner.capture_graphs(config.max_num_seqs, max_model_len)
+            self.graph_capture_s = self.model_runner.capture_graphs(config.max_num_seqs, max_model_len,
+                                                                    config.mixed_graph_tokens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.enable_chunked_prefill)
         self.groups: dict[str, _Group] = {}

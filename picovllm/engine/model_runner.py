@@ -12,7 +12,7 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.engine.block_manager import BlockManager
-from picovllm.engine.cuda_graph import DecodeGraphs
+from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from picovllm.engine.scheduler import ScheduledBatch
@@ -29,6 +29,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor | None  # rows of the hidden states that are sampled (None: all)
     decode_rows: torch.Tensor | None = None  # decode: [4, B] = input_ids, positions, slots, context lens
+    token_rows: torch.Tensor | None = None  # padded for a mixed-step graph: [3, T] = input_ids, positions, slots
 
 
 class Uploader:
@@ -63,50 +64,62 @@ class Uploader:
 
 def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens: np.ndarray,
                  block_tables: list[list[int]], block_size: int, upload, pad_to: int | None = None,
-                 sample: np.ndarray | None = None) -> ModelInputs:
+                 sample: np.ndarray | None = None, pad_mixed: tuple[int, int] | None = None) -> ModelInputs:
     """Inputs for B sequences whose last query_lens[b] tokens (of num_tokens[b]) are computed.
     token_ids[b] holds those new tokens; sample[b] (default all) marks the sequences whose last
-    new token is sampled. pad_to (decode only) adds inert rows up to that batch size: token 0
-    at position 0, slot -1 (nothing stored), a one-token context over block 0."""
+    new token is sampled.
+
+    Padding for CUDA graphs: pad_to (decode only) adds inert sequences up to that batch size
+    (token 0 at position 0, slot -1 so nothing is stored, a one-token context over block 0);
+    pad_mixed = (T, S) pads any step to T tokens and S sequences (padding tokens: slot -1, in no
+    sequence; padding sequences: no tokens, no context)."""
     num_seqs = len(query_lens)
     width = max(1, max(len(t) for t in block_tables))
-    rows = pad_to or num_seqs
+    rows = pad_to or (pad_mixed[1] if pad_mixed else num_seqs)
     tables = np.zeros((rows, width), dtype=np.int64)
     for b, table in enumerate(block_tables):
         tables[b, : len(table)] = table
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
+    total = int(query_start_loc[-1])
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    positions = (np.arange(query_start_loc[-1]) - query_start_loc[seq_of_token]
-                 + (num_tokens - query_lens)[seq_of_token])
+    positions = (np.arange(total) - query_start_loc[seq_of_token] + (num_tokens - query_lens)[seq_of_token])
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    input_ids = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=int(query_start_loc[-1]))
-    decode = int(query_start_loc[-1]) == num_seqs and (sample is None or bool(sample.all()))
-    if pad_to is not None:
-        assert decode and pad_to >= num_seqs, "only decode batches are padded"
-        query_start_loc = np.arange(rows + 1, dtype=np.int64)
-        vectors = np.zeros((4, rows), dtype=np.int64)  # input ids, positions, slots, context lens
+    input_ids = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=total)
+    decode = total == num_seqs and (sample is None or bool(sample.all()))
+    last = query_start_loc[1:] - 1
+    logits_indices = last if sample is None else last[sample]
+    decode_rows = token_rows = None
+    if pad_mixed is not None:  # [3, T] tokens, then the sequences' arrays, padded
+        size, seqs = pad_mixed
+        assert size >= total and seqs >= num_seqs, (pad_mixed, total, num_seqs)
+        tokens = np.zeros((3, size), dtype=np.int64)
+        tokens[2] = -1
+        tokens[:, :total] = input_ids, positions, slots
+        context_lens = np.zeros(seqs, dtype=np.int64)
+        context_lens[:num_seqs] = num_tokens
+        padded_qsl = np.full(seqs + 1, total, dtype=np.int64)
+        padded_qsl[: num_seqs + 1] = query_start_loc
+        token_rows, ctx_dev, tables_dev, qsl_dev, logits_dev = upload(tokens, context_lens, tables, padded_qsl,
+                                                                      logits_indices)
+        input_ids_dev, positions_dev, slots_dev = token_rows
+    elif decode:  # one [4, B] array (ids, positions, slots, context lens), which graphs copy at once
+        vectors = np.zeros((4, rows), dtype=np.int64)
         vectors[2], vectors[3] = -1, 1
-        for i, v in enumerate((input_ids, positions, slots, num_tokens)):
-            vectors[i, :num_seqs] = v
+        vectors[:, :num_seqs] = input_ids, positions, slots, num_tokens
+        decode_rows, tables_dev, qsl_dev = upload(vectors, tables, np.arange(rows + 1, dtype=np.int64))
+        input_ids_dev, positions_dev, slots_dev, ctx_dev = decode_rows
+        logits_dev = None  # every row is sampled
     else:
-        vectors = np.stack([input_ids, positions, slots, num_tokens]) if decode else None
-    if vectors is not None:  # decode: one [4, B] array, which CUDA graphs copy in one go
-        rows_dev, tables_dev, qsl_dev = upload(vectors, tables, query_start_loc)
-        input_ids_dev, positions_dev, slots_dev, ctx_dev = rows_dev
-        logits_indices = None
-    else:
-        last = query_start_loc[1:] - 1
-        input_ids_dev, positions_dev, slots_dev, ctx_dev, tables_dev, qsl_dev, logits_indices = upload(
-            input_ids, positions, slots, num_tokens.astype(np.int64), tables, query_start_loc,
-            last if sample is None else last[sample])
-        rows_dev = None
+        assert pad_to is None, "only decode batches are padded to a batch size"
+        input_ids_dev, positions_dev, slots_dev, ctx_dev, tables_dev, qsl_dev, logits_dev = upload(
+            input_ids, positions, slots, num_tokens.astype(np.int64), tables, query_start_loc, logits_indices)
     return ModelInputs(
         input_ids=input_ids_dev, positions=positions_dev,
         meta=AttentionMetadata(slot_mapping=slots_dev, block_tables=tables_dev, context_lens=ctx_dev,
                                query_start_loc=qsl_dev, max_query_len=int(query_lens.max()),
                                max_context_len=int(num_tokens.max())),
-        logits_indices=logits_indices, decode_rows=rows_dev,
+        logits_indices=logits_dev, decode_rows=decode_rows, token_rows=token_rows,
     )
 
 
@@ -122,6 +135,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.upload = Uploader(device)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
 
     def kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
@@ -150,10 +164,16 @@ class ModelRunner:
         for attn, (k, v) in zip(self.model.attention_layers(), block_manager.layer_caches()):
             attn.k_cache, attn.v_cache = k, v
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Capture decode CUDA graphs (after the KV cache is bound: graphs keep its addresses)."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int = 0) -> float:
+        """Capture CUDA graphs (after the KV cache is bound: graphs keep its addresses): decode,
+        and mixed steps of up to mixed_graph_tokens tokens when it is > 0. Returns seconds."""
         self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size, self.device)
-        return self.graphs.capture()
+        seconds = self.graphs.capture()
+        if mixed_graph_tokens > 0:
+            self.mixed_graphs = MixedGraphs(self.model, mixed_graph_tokens, max_num_seqs, max_model_len,
+                                            self.block_size, self.device)
+            seconds += self.mixed_graphs.capture()
+        return seconds
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         reqs = batch.requests
@@ -162,9 +182,14 @@ class ModelRunner:
         num_tokens = computed + query_lens
         token_ids = [r.token_ids[c: c + n] for r, c, n in zip(reqs, computed.tolist(), batch.num_new_tokens)]
         sample = num_tokens == np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None and batch.is_decode else None
+        pad_to = pad_mixed = None
+        if batch.is_decode:
+            pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None else None
+        elif self.mixed_graphs is not None:
+            size = self.mixed_graphs.padded_size(int(query_lens.sum()), len(reqs))
+            pad_mixed = (size, self.mixed_graphs.num_seqs(size)) if size is not None else None
         return build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
-                            self.block_size, self.upload, pad_to, sample)
+                            self.block_size, self.upload, pad_to, sample, pad_mixed)
 
     @staticmethod
     def sampling_requests(batch: ScheduledBatch) -> list[Request]:
@@ -177,6 +202,8 @@ class ModelRunner:
         inputs = self.prepare(batch)
         if inputs.decode_rows is not None and self.graphs is not None and self.graphs.padded_size(len(batch.requests)):
             hidden = self.graphs.run(inputs)[: len(batch.requests)]
+        elif inputs.token_rows is not None:
+            hidden = self.mixed_graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.logits_indices is not None:

@@ -37,6 +37,9 @@ def _engine_parser() -> argparse.ArgumentParser:
                    help="token budget of a step, decodes and prefill chunks together (default 8192)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill long prompts over several steps, mixed with decodes")
+    g.add_argument("--mixed-graph-tokens", type=int, default=0,
+                   help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too "
+                        "(experimental; default 0: eager)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
@@ -64,7 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                   kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
                   enable_prefix_caching=args.enable_prefix_caching,
-                  enable_chunked_prefill=args.enable_chunked_prefill)
+                  enable_chunked_prefill=args.enable_chunked_prefill, mixed_graph_tokens=args.mixed_graph_tokens)
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
     return kwargs

@@ -40,15 +40,18 @@ def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor,
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         plan: AttentionPlan, scale: float) -> torch.Tensor:
-    """query: [num_tokens, num_heads, head_dim], the tokens of B sequences laid end to end;
-    caches: [num_blocks, block_size, num_kv_heads, head_dim] with this step's K/V already stored.
-    Returns [num_tokens, num_heads, head_dim]."""
+    """query: [num_tokens, num_heads, head_dim], the tokens of B sequences laid end to end (then
+    padding tokens of no sequence, if any); caches: [num_blocks, block_size, num_kv_heads,
+    head_dim] with this step's K/V already stored. Returns [num_tokens, num_heads, head_dim]."""
     keys = k_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]  # [B, ctx, kv_heads, D]
     values = v_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]
     q = query[plan.rows]  # [B, max_q, H, D]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=plan.mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).flatten(0, 1)[plan.out_rows]
+    out = out.transpose(1, 2).flatten(0, 1)[plan.out_rows]
+    if out.shape[0] < query.shape[0]:  # padding tokens at the end (a graph-sized step): zeros
+        out = torch.cat([out, out.new_zeros(query.shape[0] - out.shape[0], *out.shape[1:])])
+    return out
 
 
 @triton.jit
