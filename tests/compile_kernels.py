@@ -26,6 +26,8 @@ def main(dt: str) -> None:
         (prefill_attention._prefill_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision)),
         (decode_attention._decode_partition_kernel,
          dict(SPLITS=16, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision)),
+        (decode_attention._decode_partition_kernel,
+         dict(SPLITS=1, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision)),
         (decode_attention._decode_merge_kernel, dict(SPLITS=16, BLOCK_N=32, BLOCK_D=128)),
         (kv_store._rope_store_kernel, dict(BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),

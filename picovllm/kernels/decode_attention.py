@@ -1,6 +1,7 @@
 """Paged decode attention with GQA and split-K over the context (flash-decoding): one query per
 sequence; each (sequence, KV head, split) program attends one slice of the context for all the
-query heads of the group, and a second kernel merges the splits' partial softmaxes.
+query heads of the group, and a second kernel merges the splits' partial softmaxes (with a single
+split, at large batch, the first kernel writes the output and the second is not launched).
 
 The number of splits depends on the batch size alone (enough programs to fill the GPU), never on
 the contexts, so a CUDA graph captured for a batch size serves any context: each sequence cuts its
@@ -25,9 +26,9 @@ def num_splits(batch: int, num_kv_heads: int) -> int:
 
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _decode_partition_kernel(
-    q, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l,
+    q, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l, out,
     s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
-    s_ab, s_ah, s_as, s_mb, s_mh,
+    s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
     scale, block_size, head_dim, group,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -55,9 +56,13 @@ def _decode_partition_kernel(
                                       c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start, end, block_size, d,
                                       dmask, scale, CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     out_mask = gmask[:, None] & dmask[None, :]
-    tl.store(part_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
-    tl.store(part_m + b * s_mb + heads * s_mh + split, m_i, mask=gmask)
-    tl.store(part_l + b * s_mb + heads * s_mh + split, l_i, mask=gmask)
+    if SPLITS == 1:  # the whole context in one program: the output, no partials to merge
+        tl.store(out + b * s_ob + heads[:, None] * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        tl.store(part_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
+        tl.store(part_m + b * s_mb + heads * s_mh + split, m_i, mask=gmask)
+        tl.store(part_l + b * s_mb + heads * s_mh + split, l_i, mask=gmask)
 
 
 @triton.jit
@@ -89,23 +94,28 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_splits = splits or num_splits(batch, num_kv_heads)
-    part_acc = torch.empty((batch, num_heads, max_splits, head_dim), dtype=torch.float32, device=query.device)
-    part_m = torch.empty((batch, num_heads, max_splits), dtype=torch.float32, device=query.device)
-    part_l = torch.empty_like(part_m)
+    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    # one split writes the output itself; more write partial softmaxes that a second kernel merges
+    if max_splits > 1:
+        part_acc = torch.empty((batch, num_heads, max_splits, head_dim), dtype=torch.float32, device=query.device)
+        part_m = torch.empty((batch, num_heads, max_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_strides = (*part_acc.stride()[:3], *part_m.stride()[:2])
+    else:  # never touched: the kernel's partial stores are compiled out
+        part_acc = part_m = part_l = out
+        part_strides = (0,) * 5
     block_d = next_pow2(head_dim)
     _decode_partition_kernel[(batch, num_kv_heads, max_splits)](
-        query, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l,
+        query, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l, out,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
+        *part_strides, out.stride(0), out.stride(1),
         scale, k_cache.shape[1], head_dim, group,
         SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         PRECISION=dot_precision(query.dtype),
     )
-    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    _decode_merge_kernel[(batch, num_heads)](
-        part_acc, part_m, part_l, context_lens, out,
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_m.stride(0), part_m.stride(1),
-        out.stride(0), out.stride(1), head_dim,
-        SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-    )
+    if max_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_acc, part_m, part_l, context_lens, out, *part_strides, out.stride(0), out.stride(1), head_dim,
+            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        )
     return out
