@@ -2,7 +2,8 @@
 # The GPU run: the test suite with the engine on CUDA, the benchmarks, then a short table.
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
 #   stages: tests latency throughput prefix serve (default: all; each fits one 10-minute call)
-# Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check).
+# Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check),
+#      ENGINE_ARGS (extra engine options for every benchmark, e.g. "--mixed-graph-tokens 512").
 # The lent H200 lacks the server's packages: carry them as wheels in .whl/ (see benchmarks/README.md);
 # they are installed into /tmp/site when present.
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -14,7 +15,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 MODEL=${MODEL:-dummy:qwen2.5-1.5b}
 STAGES=${*:-tests latency throughput prefix serve}
-BENCH="python3 -m picovllm.entrypoints.cli bench"
+BENCH_CMD=(python3 -m picovllm.entrypoints.cli bench)
+bench() { "${BENCH_CMD[@]}" "$1" "${@:2}" ${ENGINE_ARGS:-}; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -26,23 +28,23 @@ for stage in $STAGES; do
           | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs|fused|trained|mixed)" | tail -30 ;;
     latency)
       echo "== latency: CUDA graphs (the default), HF baselines =="
-      $BENCH latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \
+      bench latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \
           --plot "$OUT/latency_graphs.png" 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
       HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
-      $BENCH latency --model "$MODEL" --batch-sizes 1 --input-len 128 --output-len 128 \
+      bench latency --model "$MODEL" --batch-sizes 1 --input-len 128 --output-len 128 \
           $HF_FLAGS 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log" ;;
     throughput)
       echo "== throughput =="
-      $BENCH throughput --model "$MODEL" --max-model-len 4096 2>&1 | grep -v "it/s\]" \
+      bench throughput --model "$MODEL" --max-model-len 4096 2>&1 | grep -v "it/s\]" \
           | tee "$OUT/throughput.log" ;;
     prefix)
       echo "== prefix caching =="
-      $BENCH prefix --model "$MODEL" 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log" ;;
+      bench prefix --model "$MODEL" 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log" ;;
     serve)
       echo "== serving (and the offline decode step at the same batch size, for its ITL) =="
-      $BENCH latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
+      bench latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
           | grep -v "it/s\]" | tee "$OUT/offline64.log"
-      $BENCH serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
+      bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
