@@ -134,6 +134,7 @@ class ModelRunner:
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
         self.sampler = Sampler()
         self.upload = Uploader(device)
+        self._sampling_cache: tuple[tuple[str, ...], SamplingTensors] | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
 
@@ -177,11 +178,15 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         reqs = batch.requests
-        computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        token_ids, context, sample = [], [], []
+        for r, n in zip(reqs, batch.num_new_tokens):
+            end = r.num_computed_tokens + n
+            token_ids.append(r.token_ids[end - n: end])
+            context.append(end)
+            sample.append(end == len(r.token_ids))
         query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
-        num_tokens = computed + query_lens
-        token_ids = [r.token_ids[c: c + n] for r, c, n in zip(reqs, computed.tolist(), batch.num_new_tokens)]
-        sample = num_tokens == np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        num_tokens = np.array(context, dtype=np.int64)
+        sample = np.array(sample)
         pad_to = pad_mixed = None
         if batch.is_decode:
             pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None else None
@@ -210,13 +215,24 @@ class ModelRunner:
             hidden = hidden[inputs.logits_indices]
         return self.model.compute_logits(hidden)
 
+    def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+        """The batch's sampling tensors, reused from the previous step when the same requests
+        sample again and nothing in them changes per step (no penalties, no min_tokens ban)."""
+        key = tuple(r.request_id for r in reqs)
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        tensors = SamplingTensors.from_requests(reqs, self.model_cfg.vocab_size, self.eos_ids, self.device)
+        static = tensors.banned is None and tensors.prompt_ids is None
+        self._sampling_cache = (key, tensors) if static else None
+        return tensors
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
         """One forward; the requests that sample and their samples (None when none samples)."""
         reqs = self.sampling_requests(batch)
         # Sampling parameters go to the device before the forward is queued: a host-to-device
         # copy from pageable memory would otherwise wait for the whole forward to finish.
-        tensors = SamplingTensors.from_requests(reqs, self.model_cfg.vocab_size, self.eos_ids, self.device) \
-            if reqs else None
+        tensors = self._sampling_tensors(reqs) if reqs else None
         logits = self.logits(batch)
         return reqs, (self.sampler(logits, tensors) if reqs else None)

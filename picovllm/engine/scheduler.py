@@ -25,22 +25,23 @@ but the last sampled token); WAITING and FINISHED requests hold none.
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.prefix_cache import PrefixCache
 from picovllm.engine.request import Request, RequestStatus
 
 
-class ScheduledBatch(NamedTuple):
-    requests: list[Request]
-    num_new_tokens: list[int]  # tokens computed this step, from each request's num_computed_tokens
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # computed this step, from num_computed_tokens
+    is_decode: bool = True  # every request computes just its last token (and samples): a graph step
 
-    @property
-    def is_decode(self) -> bool:
-        """Every request computes just its last token (and samples): a CUDA-graph step."""
-        return all(n == 1 and r.num_computed_tokens == r.num_tokens - 1
-                   for r, n in zip(self.requests, self.num_new_tokens))
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+        self.is_decode = self.is_decode and n == 1 and req.num_computed_tokens == req.num_tokens - 1
 
 
 class Scheduler:
@@ -59,7 +60,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = ScheduledBatch([], [])
+        batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._admit(batch, budget)
         return batch if batch.requests else None
@@ -82,8 +83,7 @@ class Scheduler:
                     cache.allocate(req, missing)
                 if n > 1:  # a prompt chunk: its full blocks become shareable now (decodes wait for finish)
                     cache.insert(req, req.num_computed_tokens + n)
-                batch.requests.append(req)
-                batch.num_new_tokens.append(n)
+                batch.add(req, n)
                 kept.append(req)
                 budget -= n
         self.running = kept + list(queue)  # those past the budget stay running, unscheduled this step
@@ -112,8 +112,7 @@ class Scheduler:
                 cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.requests.append(req)
-            batch.num_new_tokens.append(n)
+            batch.add(req, n)
             budget -= n
 
     def _preempt(self, req: Request) -> None:
