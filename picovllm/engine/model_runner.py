@@ -134,7 +134,7 @@ class ModelRunner:
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
         self.sampler = Sampler()
         self.upload = Uploader(device)
-        self._sampling_cache: tuple[tuple[str, ...], SamplingTensors] | None = None
+        self._sampling_cache: tuple[list[Request], SamplingTensors] | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
 
@@ -218,13 +218,12 @@ class ModelRunner:
     def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
         """The batch's sampling tensors, reused from the previous step when the same requests
         sample again and nothing in them changes per step (no penalties, no min_tokens ban)."""
-        key = tuple(r.request_id for r in reqs)
-        cached = self._sampling_cache
-        if cached is not None and cached[0] == key:
+        cached = self._sampling_cache  # (the very Request objects, in order; their tensors)
+        if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
             return cached[1]
         tensors = SamplingTensors.from_requests(reqs, self.model_cfg.vocab_size, self.eos_ids, self.device)
         static = tensors.banned is None and tensors.prompt_ids is None
-        self._sampling_cache = (key, tensors) if static else None
+        self._sampling_cache = (list(reqs), tensors) if static else None
         return tensors
 
     @torch.inference_mode()
