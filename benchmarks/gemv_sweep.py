@@ -1,35 +1,58 @@
-"""Our GEMV (kernels/gemv.py) against cuBLAS on Qwen2.5-1.5B's projections at 1 and 8 rows, over a
-sweep of tile sizes; each timing is 50 calls replayed from a CUDA graph. GPU only."""
-import torch, time, itertools
-from picovllm.kernels.gemv import gemv_triton, gemv_config
-F = torch.nn.functional
-shapes = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960), "lm_head": (151936, 1536)}
-def bench(fn, reps=50):
-    for _ in range(3): fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps): fn()
-    g.replay(); torch.cuda.synchronize(); t = time.perf_counter(); g.replay(); torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
-best_cfgs = {}
-for M in (1, 8):
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16); x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
-        gb = n * k * 2 / 1e9
-        tc = bench(lambda: F.linear(x, w))
-        td = bench(lambda: gemv_triton(x, w))
-        res = []
-        bm = 1 << (M - 1).bit_length()
-        for bn, bk, nw in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8)):
-            if bm * bn * bk > 32768 or bk > 2 * k: continue
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-            try:
-                t = bench(lambda: gemv_triton(x, w, config=cfg, num_warps=nw), reps=20)
-            except Exception as e:
-                continue
-            res.append((t, bn, bk, nw))
-        res.sort()
-        t, bn, bk, nw = res[0]
-        print(f"M={M} {name:8s} cuBLAS {tc*1e6:7.1f}us {gb/tc:6.0f}GB/s | default {gemv_config(M, n, k)} {td*1e6:7.1f}us {gb/td:6.0f}GB/s "
-              f"| best BN={bn} BK={bk} warps={nw} {t*1e6:7.1f}us {gb/t:6.0f}GB/s | next: " +
-              ", ".join(f"{b}/{kk}/{w_} {tt*1e6:.1f}" for tt, b, kk, w_ in res[1:4]), flush=True)
+"""Our GEMV (kernels/gemv.py) against cuBLAS on Qwen2.5-1.5B's projections at 1 and 8 rows, over
+a sweep of tile sizes; each timing is 50 calls replayed from a CUDA graph (GPU only).
+
+Usage: PYTHONPATH=. python benchmarks/gemv_sweep.py"""
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from picovllm.kernels.gemv import gemv_config, gemv_triton
+
+SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960),
+          "lm_head": (151936, 1536)}
+
+
+def bench(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def main() -> None:
+    for rows in (1, 8):
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            gb = n * k * 2 / 1e9
+            t_cublas = bench(lambda: F.linear(x, w))
+            t_default = bench(lambda: gemv_triton(x, w))
+            results = []
+            block_m = 1 << (rows - 1).bit_length()
+            for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8)):
+                if block_m * bn * bk > 32768 or bk > 2 * k:
+                    continue
+                cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk)
+                try:
+                    results.append((bench(lambda: gemv_triton(x, w, config=cfg, num_warps=warps), reps=20), bn, bk, warps))
+                except Exception:  # a tile too large for the registers or shared memory
+                    continue
+            results.sort()
+            t, bn, bk, warps = results[0]
+            print(f"rows={rows} {name:8s} cuBLAS {t_cublas * 1e6:7.1f}us {gb / t_cublas:6.0f}GB/s | default "
+                  f"{gemv_config(rows, n, k)} {t_default * 1e6:7.1f}us {gb / t_default:6.0f}GB/s | best BLOCK_N={bn} "
+                  f"BLOCK_K={bk} warps={warps} {t * 1e6:7.1f}us {gb / t:6.0f}GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,23 +1,39 @@
-"""GPU time per kernel of a decode step at batch B (argv[1]; argv[2] = "graphs" replays CUDA graphs,
-otherwise eager), Qwen2.5-1.5B shapes, random weights. GPU only."""
-import sys, torch, time
-from torch.profiler import profile, ProfilerActivity
+"""GPU time per kernel of a decode step, Qwen2.5-1.5B shapes with random weights (GPU only).
+
+Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
+(without "graphs" the step runs eagerly)."""
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from picovllm import LLM, SamplingParams
-B = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-EAGER = len(sys.argv) < 3 or sys.argv[2] != "graphs"
-llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, enforce_eager=EAGER, gpu_memory_utilization=0.5)
-e = llm.llm_engine
-for i in range(B):
-    e.add_request(str(i), list(range(100, 228)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-for _ in range(20): e.step()
-torch.cuda.synchronize()
-N = 10
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    for _ in range(N): e.step()
+
+STEPS = 10
+
+
+def main() -> None:
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    eager = len(sys.argv) < 3 or sys.argv[2] != "graphs"
+    llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, enforce_eager=eager,
+              gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    for i in range(batch):
+        engine.add_request(str(i), list(range(100, 228)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
     torch.cuda.synchronize()
-ka = prof.key_averages()
-rows = sorted(ka, key=lambda k: -k.self_device_time_total)
-tot = sum(k.self_device_time_total for k in ka)
-print(f"bs={B}: GPU kernel time per step {tot/N/1e3:.3f} ms, kernels/step {sum(k.count for k in ka)/N:.0f}")
-for k in rows[:25]:
-    print(f"{k.self_device_time_total/N:9.1f} us/step  x{k.count/N:5.0f}  {k.key[:90]}")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events)
+    print(f"batch {batch}: GPU kernel time per step {total / STEPS / 1e3:.3f} ms, "
+          f"kernels per step {sum(e.count for e in events) / STEPS:.0f}")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"{e.self_device_time_total / STEPS:9.1f} us/step  x{e.count / STEPS:5.0f}  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
