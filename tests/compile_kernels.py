@@ -23,12 +23,13 @@ def main(dt: str) -> None:
                 part_acc="*fp32", part_m="*fp32", part_l="*fp32")
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
-        (prefill_attention._prefill_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision)),
-        (decode_attention._decode_partition_kernel,
-         dict(SPLITS=16, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision)),
-        (decode_attention._decode_partition_kernel,
-         dict(SPLITS=1, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision)),
-        (decode_attention._decode_merge_kernel, dict(SPLITS=16, BLOCK_N=32, BLOCK_D=128)),
+        *[(prefill_attention._prefill_kernel,
+           dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision, SKIP_SINGLE=skip)) for skip in (False, True)],
+        *[(decode_attention._decode_partition_kernel,
+           dict(SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision, MIXED=mixed))
+          for splits in (1, 16) for mixed in (False, True)],
+        *[(decode_attention._decode_merge_kernel, dict(SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
+          for mixed in (False, True)],
         (kv_store._rope_store_kernel, dict(BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),

@@ -106,6 +106,25 @@ def test_decode_attention_split_k(dtype):
         _close(decode_attention_triton(query, kc, vc, tables, ctx, scale, splits), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype):
+    """A mixed step: single-query sequences (decodes, short and long contexts) through the
+    decode kernel, the others through the prefill kernel (which skips them), into one output."""
+    block_size = 4
+    q_lens, prefix = [1, 5, 1, 17, 1, 3], [0, 3, 40, 16, 201, 9]
+    query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size, seed=2)
+    plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
+    ref = paged_attention_ref(query, kc, vc, plan, scale)
+    for splits in (1, None):
+        out = torch.full_like(query, float("nan"))
+        decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl, out=out)
+        single_rows = qsl[:-1][torch.tensor(q_lens, device=DEV) == 1]
+        assert not out[single_rows].isnan().any() and out.isnan().sum() > 0  # its rows, and only those
+        prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16,
+                                 out=out, skip_single=True)
+        _close(out, ref, dtype)
+
+
 def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
     assert [num_splits(b, 2) for b in (1, 2, 8, 64, 128, 256)] == [32, 32, 16, 2, 1, 1]
     assert num_splits(1, 8) == 32 and num_splits(4, 8) == 8

@@ -118,7 +118,8 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         input_ids=input_ids_dev, positions=positions_dev,
         meta=AttentionMetadata(slot_mapping=slots_dev, block_tables=tables_dev, context_lens=ctx_dev,
                                query_start_loc=qsl_dev, max_query_len=int(query_lens.max()),
-                               max_context_len=int(num_tokens.max())),
+                               max_context_len=int(num_tokens.max()),
+                               any_single_query=bool((query_lens == 1).any())),
         logits_indices=logits_dev, decode_rows=decode_rows, token_rows=token_rows,
     )
 

@@ -24,18 +24,34 @@ def num_splits(batch: int, num_kv_heads: int) -> int:
     return min(MAX_SPLITS, next_pow2(want))
 
 
+@triton.jit
+def _query_row(query_start_loc, b, MIXED: tl.constexpr):
+    """The token row of sequence b's query, and whether b has exactly one query (always so in
+    a decode batch; in a mixed batch, the sequences with more belong to the prefill kernel)."""
+    if MIXED:
+        row = tl.load(query_start_loc + b)
+        single = tl.load(query_start_loc + b + 1) - row == 1
+    else:
+        row = b
+        single = True
+    return row, single
+
+
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _decode_partition_kernel(
-    q, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l, out,
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, part_acc, part_m, part_l, out,
     s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
     s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
     scale, block_size, head_dim, group,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, MIXED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    row, single = _query_row(query_start_loc, b, MIXED)
+    if not single:
+        return
     ctx = tl.load(context_lens + b)
     part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
     start = split * part
@@ -47,7 +63,7 @@ def _decode_partition_kernel(
     heads = kvh * group + g
     gmask = g < group
     dmask = d < head_dim
-    qv = tl.load(q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
+    qv = tl.load(q + row * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
                  mask=gmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -57,7 +73,7 @@ def _decode_partition_kernel(
                                       dmask, scale, CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     out_mask = gmask[:, None] & dmask[None, :]
     if SPLITS == 1:  # the whole context in one program: the output, no partials to merge
-        tl.store(out + b * s_ob + heads[:, None] * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+        tl.store(out + row * s_ob + heads[:, None] * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
                  mask=out_mask)
     else:
         tl.store(part_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
@@ -66,11 +82,14 @@ def _decode_partition_kernel(
 
 
 @triton.jit
-def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, out,
+def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc, out,
                          s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, head_dim,
-                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    row, single = _query_row(query_start_loc, b, MIXED)
+    if not single:
+        return
     ctx = tl.load(context_lens + b)
     part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
     s = tl.arange(0, SPLITS)
@@ -82,19 +101,27 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, out,
     acc = tl.load(part_acc + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
                   mask=smask[:, None] & (d[None, :] < head_dim), other=0.0)
     res = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out + b * s_ob + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < head_dim)
+    tl.store(out + row * s_ob + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < head_dim)
 
 
 def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            splits: int | None = None) -> torch.Tensor:
+                            splits: int | None = None, query_start_loc: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
-    splits: per (sequence, KV head), a power of two; num_splits(B, kv_heads) unless given."""
-    batch, num_heads, head_dim = query.shape
+    splits: per (sequence, KV head), a power of two; num_splits(B, kv_heads) unless given.
+
+    Mixed batch (query_start_loc given): query holds the tokens of B sequences end to end; only
+    the sequences with exactly one query are attended, into their rows of `out` (the prefill
+    kernel fills the others)."""
+    batch = block_tables.shape[0]
+    num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_splits = splits or num_splits(batch, num_kv_heads)
-    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    mixed = query_start_loc is not None
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     # one split writes the output itself; more write partial softmaxes that a second kernel merges
     if max_splits > 1:
         part_acc = torch.empty((batch, num_heads, max_splits, head_dim), dtype=torch.float32, device=query.device)
@@ -104,18 +131,19 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     else:  # never touched: the kernel's partial stores are compiled out
         part_acc = part_m = part_l = out
         part_strides = (0,) * 5
+    qsl = query_start_loc if mixed else context_lens  # (unread when not mixed)
     block_d = next_pow2(head_dim)
     _decode_partition_kernel[(batch, num_kv_heads, max_splits)](
-        query, k_cache, v_cache, block_tables, context_lens, part_acc, part_m, part_l, out,
+        query, k_cache, v_cache, block_tables, context_lens, qsl, part_acc, part_m, part_l, out,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, out.stride(0), out.stride(1),
         scale, k_cache.shape[1], head_dim, group,
         SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        PRECISION=dot_precision(query.dtype),
+        PRECISION=dot_precision(query.dtype), MIXED=mixed,
     )
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            part_acc, part_m, part_l, context_lens, out, *part_strides, out.stride(0), out.stride(1), head_dim,
-            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+            part_acc, part_m, part_l, context_lens, qsl, out, *part_strides, out.stride(0), out.stride(1), head_dim,
+            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIXED=mixed,
         )
     return out

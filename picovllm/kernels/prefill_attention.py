@@ -14,6 +14,7 @@ def _prefill_kernel(
     s_qt, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw, s_ot, s_oh,
     scale, block_size, head_dim, group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -22,6 +23,9 @@ def _prefill_kernel(
     q_len = tl.load(query_start_loc + b + 1) - q_start
     if mblk * BLOCK_M >= q_len:
         return
+    if SKIP_SINGLE:  # single-query sequences are the decode kernel's (GQA-grouped, split-K)
+        if q_len == 1:
+            return
     ctx = tl.load(context_lens + b)
     prefix = ctx - q_len
     kvh = h // group
@@ -47,15 +51,19 @@ def _prefill_kernel(
 def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, context_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                             block_m: int = 64, block_n: int = 64) -> torch.Tensor:
-    """query: [num_tokens, num_heads, head_dim] -> same shape."""
+                             block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
+                             skip_single: bool = False) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim] -> same shape. skip_single leaves the rows of
+    single-query sequences of `out` to the decode kernel."""
     num_tokens, num_heads, head_dim = query.shape
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     batch = block_tables.shape[0]
     _prefill_kernel[(batch, num_heads, triton.cdiv(max_query_len, block_m))](
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
         scale, k_cache.shape[1], head_dim, num_heads // k_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), PRECISION=dot_precision(query.dtype),
+        SKIP_SINGLE=skip_single,
     )
     return out

@@ -22,6 +22,8 @@ class AttentionMetadata(NamedTuple):
     query_start_loc [B + 1]: where each sequence's new tokens start in the flat token batch.
     max_query_len, max_context_len: host-side bounds of the above (no device sync to read them;
     a CUDA graph of decode passes 1 and max_model_len).
+    any_single_query: whether some sequence computes exactly one token (mixed steps send those
+    to the decode kernel).
     """
 
     slot_mapping: torch.Tensor
@@ -31,6 +33,7 @@ class AttentionMetadata(NamedTuple):
     max_query_len: int
     max_context_len: int
     plan: AttentionPlan | None = None  # the reference path's, derived once per forward by prepare()
+    any_single_query: bool = True  # some sequence has exactly one query (host-side; graphs: assume so)
 
 
 class PagedAttention(nn.Module):
@@ -61,5 +64,13 @@ class PagedAttention(nn.Module):
         if meta.max_query_len == 1:
             return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                            self.scale)
+        # A mixed step: sequences with one query (decodes) go to the decode kernel, which reads
+        # each KV head once for its whole query group and splits long contexts; the rest to the
+        # prefill kernel; both write their rows of one output.
+        out = torch.empty_like(q)
+        if meta.any_single_query:
+            decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale,
+                                    query_start_loc=meta.query_start_loc, out=out)
         return prefill_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                        meta.query_start_loc, self.scale, meta.max_query_len)
+                                        meta.query_start_loc, self.scale, meta.max_query_len, out=out,
+                                        skip_single=meta.any_single_query)
