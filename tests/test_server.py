@@ -20,8 +20,9 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def server(tiny_qwen):
     """(URL, the served LLMEngine, a separate LLM of the same model for expected outputs: the
-    served engine belongs to the server's engine thread)."""
-    llm = make_llm(tiny_qwen[0], max_model_len=256, block_size=4)
+    served engine belongs to the server's engine thread). The served engine's 16-token budget
+    and 16 sequences make prompts go in chunks beside other streams' decodes, and requests queue."""
+    llm = make_llm(tiny_qwen[0], max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=16)
     engine = AsyncEngine(llm.llm_engine)
     url, stop = serve_in_thread(build_app(engine, MODEL, api_key=KEY))
     yield url, llm.llm_engine, make_llm(tiny_qwen[0], max_model_len=256, block_size=4)
