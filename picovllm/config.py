@@ -146,6 +146,9 @@ class EngineConfig:
     # Steps with prompt tokens of up to this many tokens replay CUDA graphs too (token counts 16,
     # 32, ... up to it); 0: they run eagerly. Off until measured on a GPU (engine/cuda_graph.py).
     mixed_graph_tokens: int = 0
+    # Launch a decode step before the previous one's tokens are read (on the device), so the
+    # host's work overlaps the GPU's; off by default, as in vLLM, until measured on a GPU.
+    async_scheduling: bool = False
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -160,6 +163,7 @@ class EngineConfig:
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              "num_gpu_blocks_override", "must be >= 1")
         need(self.swap_space >= 0, "swap_space", "must be >= 0")
+        need(isinstance(self.async_scheduling, bool), "async_scheduling", "must be True or False")
         need(isinstance(self.mixed_graph_tokens, int) and 0 <= self.mixed_graph_tokens <= 8192,
              "mixed_graph_tokens", "must be an integer in [0, 8192]")
         need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +21,7 @@ from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.model_runner import ModelRunner
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import SamplerOutput
-from picovllm.engine.scheduler import Scheduler
+from picovllm.engine.scheduler import ScheduledBatch, Scheduler
 from picovllm.model.loader.model_loader import resolve_model
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -31,6 +32,26 @@ PromptType = str | dict | list[int]
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _MAX_SEED = 2**63 - 1
+
+
+class _Step(NamedTuple):
+    """A launched forward: its batch, the requests that sample, their sampled tokens on the
+    device (the next step's inputs when launched ahead), and the samples on their way to the
+    host (pinned memory, ready once `copied` has passed)."""
+
+    batch: ScheduledBatch
+    reqs: list[Request]
+    tokens: torch.Tensor | None
+    sampled: SamplerOutput | None
+    copied: torch.cuda.Event | None
+
+
+def _to_host(out: SamplerOutput) -> SamplerOutput:
+    """Start copying the samples to pinned host memory (non_blocking): reading them then waits
+    for this step alone, not for a step launched after it (as .tolist() on the device would)."""
+    def copy(t):
+        return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+    return SamplerOutput(*(copy(getattr(out, f.name)) for f in fields(out)))
 
 
 @dataclass
@@ -114,6 +135,9 @@ class LLMEngine:
         # conservation after every step (slow; for debugging)
         self.debug_invariants = os.environ.get("PICOVLLM_CHECK_INVARIANTS", "") not in ("", "0")
         self.host_time_s, self.num_steps = 0.0, 0
+        self.async_scheduling = config.async_scheduling
+        self._inflight: _Step | None = None  # a step launched ahead, its tokens not read yet
+        self.num_launched_ahead = self.num_dropped_ahead = 0  # steps launched ahead; tokens they computed in vain
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, config.block_size,
@@ -209,25 +233,84 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward; return the outputs of the requests that changed (for streaming).
 
+        With async_scheduling, a step that decodes every running request (and nothing else is
+        waiting) launches the next decode before reading its own tokens: the next step's inputs
+        take those tokens on the device, so the GPU has its next step queued while the host
+        processes this one. A request that stops meanwhile has its extra token dropped.
+
         host_time_s accumulates the time the CPU spends in steps other than waiting for the
         device (on a GPU the forward is launched asynchronously and waited for at the one
         device-to-host copy of the sampled tokens)."""
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        reqs, sampled = self.model_runner.run(batch)
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
+        step = self._inflight
+        if step is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            step = self._launch(batch)
+        self._inflight = self._launch_ahead(step) if self.async_scheduling else None
         launched = time.perf_counter()
-        tokens = sampled.sampled.tolist() if reqs else []  # the step's one device-to-host transfer
+        if step.copied is not None:
+            step.copied.synchronize()  # the step's one device-to-host transfer
+        tokens = step.sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
-        outputs = self._process(reqs, tokens, sampled)
+        outputs = self._process(step.reqs, tokens, step.sampled)
+        if not self.groups:
+            self._inflight = None  # nothing left to read from a step launched ahead
         if self.debug_invariants:
             self.check_invariants()
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)
         self.num_steps += 1
         return outputs
+
+    def _launch(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> _Step:
+        reqs, sampled = self.model_runner.run(batch, pending)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        tokens, copied = (sampled.sampled if sampled is not None else None), None
+        if sampled is not None and self.device.type == "cuda":
+            sampled = _to_host(sampled)
+            copied = torch.cuda.Event()
+            copied.record()
+        return _Step(batch, reqs, tokens, sampled, copied)
+
+    def _launch_ahead(self, step: _Step) -> _Step | None:
+        """Launch the decode that follows `step` before its tokens are read, when the next
+        schedule is known without them: `step` decoded every running request, nothing waits,
+        and no request's sampling depends on its output so far (penalties, a min_tokens ban)."""
+        sched, reqs = self.scheduler, step.reqs
+        if not step.batch.is_decode or sched.waiting or len(reqs) != len(sched.running) or not reqs:
+            return None
+        running = set(map(id, sched.running))
+        if any(id(r) not in running or r.params.repetition_penalty != 1 or r.params.presence_penalty
+               or r.params.frequency_penalty or r.num_output_tokens < r.params.min_tokens for r in reqs):
+            return None
+        # a request whose token in flight is its last (max_tokens, max_model_len) finishes
+        # whatever that token is: it does not go on
+        rows = [i for i, r in enumerate(reqs) if not self._last_token_in_flight(r)]
+        if not rows:
+            return None
+        ahead = [reqs[i] for i in rows]
+        bm, cache = self.block_manager, sched.cache
+        missing = [bm.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table) for r in ahead]
+        if sum(missing) > cache.num_available_blocks:
+            return None
+        for r, n in zip(ahead, missing):
+            if n:
+                cache.allocate(r, n)
+        self.num_launched_ahead += 1
+        pending = step.tokens
+        if len(rows) < len(reqs):  # (a pinned, non_blocking index: a pageable copy could wait for the GPU)
+            index = torch.tensor(rows)
+            if pending.is_cuda:
+                index = index.pin_memory().to(pending.device, non_blocking=True)
+            pending = pending[index]
+        return self._launch(ScheduledBatch(ahead, [1] * len(ahead)), pending=pending)
+
+    def _last_token_in_flight(self, req: Request) -> bool:
+        max_tokens = req.params.max_tokens
+        return (max_tokens is not None and req.num_output_tokens + 1 >= max_tokens) \
+            or req.num_tokens + 1 >= self.max_model_len
 
     def _process(self, reqs: list[Request], tokens: list[int], out: SamplerOutput | None) -> list[RequestOutput]:
         """Append each sampling request's token; a step of prompt chunks alone samples nothing."""
@@ -236,6 +319,9 @@ class LLMEngine:
         logprob_rows = self._logprob_rows(out) if out.sampled_logprobs is not None else None
         changed: dict[str, None] = {}
         for i, (req, token) in enumerate(zip(reqs, tokens)):
+            if req.is_finished:  # stopped or aborted after this step was launched ahead
+                self.num_dropped_ahead += 1
+                continue
             req.token_ids.append(token)
             if req.logprobs is not None:
                 req.logprobs.append(self._logprob_dict(logprob_rows, i, token, req.params.logprobs))
@@ -303,7 +389,10 @@ class LLMEngine:
     # ---- introspection ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        self.scheduler.check_invariants()
+        """Block references, tree locks, block conservation; a request in a step launched ahead
+        has computed all its tokens (the one being sampled is not appended yet)."""
+        ahead = self._inflight.batch.requests if self._inflight is not None else []
+        self.scheduler.check_invariants(ahead)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block no running request uses; True if the cache is now empty."""

@@ -35,14 +35,17 @@ class ModelInputs:
 class Uploader:
     """Moves a step's int64 arrays to the device in one copy: they are packed into a pinned host
     buffer and copied with non_blocking; the tensors returned are views of one device buffer.
-    Both buffers are reused by the next step, which starts after this one's results were read."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.host = self.dev = torch.empty(0, dtype=torch.int64)
+    Two buffer pairs take turns: with a step launched ahead (async scheduling) the host packs
+    the next step while the previous copy may still be queued behind the running step; before
+    a pair is reused, the copy that last read it is waited for (long done by then)."""
 
     ALIGN = 16  # elements: every array starts 128-byte aligned, so Triton compiles one variant
     # of each kernel (it specialises on pointer alignment), not one per packing offset
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slots = [[torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), None] for _ in range(2)]
+        self.turn = 0
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         if self.device.type != "cuda":
@@ -51,15 +54,22 @@ class Uploader:
         for a in arrays:
             offsets.append(total)
             total += -(-a.size // self.ALIGN) * self.ALIGN
-        if self.host.numel() < total:
-            size = max(total, 2 * self.host.numel(), 1 << 16)
-            self.host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self.dev = torch.empty(size, dtype=torch.int64, device=self.device)
-        staged = self.host.numpy()
+        slot = self.slots[self.turn]
+        self.turn ^= 1
+        host, dev, copied = slot
+        if copied is not None:
+            copied.synchronize()
+        if host.numel() < total:
+            size = max(total, 2 * host.numel(), 1 << 16)
+            host = slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            dev = slot[1] = torch.empty(size, dtype=torch.int64, device=self.device)
+        staged = host.numpy()
         for a, offset in zip(arrays, offsets):
             staged[offset: offset + a.size] = a.ravel()
-        self.dev[:total].copy_(self.host[:total], non_blocking=True)
-        return [self.dev[offset: offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
+        dev[:total].copy_(host[:total], non_blocking=True)
+        slot[2] = torch.cuda.Event()
+        slot[2].record()
+        return [dev[offset: offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
 
 
 def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens: np.ndarray,
@@ -177,14 +187,16 @@ class ModelRunner:
             seconds += self.mixed_graphs.capture()
         return seconds
 
-    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
+    def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> ModelInputs:
+        """pending: for a decode launched ahead, each request's next input token, on the device
+        (sampled by the step before, not yet read by the host)."""
         reqs = batch.requests
         token_ids, context, sample = [], [], []
         for r, n in zip(reqs, batch.num_new_tokens):
             end = r.num_computed_tokens + n
-            token_ids.append(r.token_ids[end - n: end])
+            token_ids.append(r.token_ids[end - n: end] if pending is None else [0])
             context.append(end)
-            sample.append(end == len(r.token_ids))
+            sample.append(pending is not None or end == len(r.token_ids))
         query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
         num_tokens = np.array(context, dtype=np.int64)
         sample = np.array(sample)
@@ -194,8 +206,11 @@ class ModelRunner:
         elif self.mixed_graphs is not None:
             size = self.mixed_graphs.padded_size(int(query_lens.sum()), len(reqs))
             pad_mixed = (size, self.mixed_graphs.num_seqs(size)) if size is not None else None
-        return build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
-                            self.block_size, self.upload, pad_to, sample, pad_mixed)
+        inputs = build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
+                              self.block_size, self.upload, pad_to, sample, pad_mixed)
+        if pending is not None:
+            inputs.input_ids[: len(reqs)].copy_(pending)
+        return inputs
 
     @staticmethod
     def sampling_requests(batch: ScheduledBatch) -> list[Request]:
@@ -203,9 +218,9 @@ class ModelRunner:
         return [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
 
     @torch.inference_mode()
-    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
+    def logits(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
         """The raw logits of the positions that are sampled, one row per sampling request."""
-        inputs = self.prepare(batch)
+        inputs = self.prepare(batch, pending)
         if inputs.decode_rows is not None and self.graphs is not None and self.graphs.padded_size(len(batch.requests)):
             hidden = self.graphs.run(inputs)[: len(batch.requests)]
         elif inputs.token_rows is not None:
@@ -228,11 +243,12 @@ class ModelRunner:
         return tensors
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
-        """One forward; the requests that sample and their samples (None when none samples)."""
-        reqs = self.sampling_requests(batch)
+    def run(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> tuple[list[Request], SamplerOutput | None]:
+        """One forward; the requests that sample and their samples (None when none samples).
+        pending: see prepare(); then every request samples."""
+        reqs = self.sampling_requests(batch) if pending is None else batch.requests
         # Sampling parameters go to the device before the forward is queued: a host-to-device
         # copy from pageable memory would otherwise wait for the whole forward to finish.
         tensors = self._sampling_tensors(reqs) if reqs else None
-        logits = self.logits(batch)
+        logits = self.logits(batch, pending)
         return reqs, (self.sampler(logits, tensors) if reqs else None)

@@ -36,7 +36,7 @@ from picovllm.engine.request import Request, RequestStatus
 class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # computed this step, from num_computed_tokens
-    is_decode: bool = True  # every request computes just its last token (and samples): a graph step
+    is_decode: bool = True  # every request computes one token and samples: a graph step
 
     def add(self, req: Request, n: int) -> None:
         self.requests.append(req)
@@ -138,10 +138,13 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, ahead: list[Request] = ()) -> None:
+        """`ahead`: requests in a step launched before the last one's tokens were read; they have
+        computed every token they hold (the next one is on the device)."""
+        ahead_ids = set(map(id, ahead))
         assert all(not r.block_table and r.lock_node is None and r.status == RequestStatus.WAITING
                    for r in self.waiting)
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(len(r.block_table) >= self.block_manager.blocks_needed(r.num_computed_tokens)
-                   and 0 < r.num_computed_tokens < r.num_tokens for r in self.running)
+                   and 0 < r.num_computed_tokens <= r.num_tokens - (id(r) not in ahead_ids) for r in self.running)
         self.cache.check_invariants(self.running)

@@ -37,6 +37,8 @@ def _engine_parser() -> argparse.ArgumentParser:
                    help="token budget of a step, decodes and prefill chunks together (default 8192)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill long prompts over several steps, mixed with decodes")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="launch each decode step before the previous one's tokens are read (experimental)")
     g.add_argument("--mixed-graph-tokens", type=int, default=0,
                    help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too "
                         "(experimental; default 0: eager)")
@@ -67,7 +69,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                   block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                   kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
                   enable_prefix_caching=args.enable_prefix_caching,
-                  enable_chunked_prefill=args.enable_chunked_prefill, mixed_graph_tokens=args.mixed_graph_tokens)
+                  enable_chunked_prefill=args.enable_chunked_prefill, mixed_graph_tokens=args.mixed_graph_tokens,
+                  async_scheduling=args.async_scheduling)
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
     return kwargs

@@ -1,0 +1,61 @@
+"""async_scheduling: a decode step is launched before the previous step's tokens are read. The
+outputs must be exactly those of the synchronous engine, whatever stops requests meanwhile."""
+import pytest
+from conftest import make_llm
+
+from picovllm import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen):
+    kw = dict(block_size=4, max_num_seqs=4)
+    return make_llm(tiny_qwen[0], async_scheduling=True, **kw), make_llm(tiny_qwen[0], **kw)
+
+
+def _run(llm, prompts, params):
+    return [[(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob) for c in o.outputs]
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_outputs_equal_the_synchronous_engine(engines):
+    """Greedy and seeded sampling, n=2, EOS, stop strings, different max_tokens, logprobs, more
+    prompts than max_num_seqs (so admissions interrupt the launching ahead)."""
+    fast, sync = engines
+    prompts = ["Hello", "The quick brown fox", "a b c d e f g", "x", "Once upon a time", "1 2 3"]
+    params = [SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=9, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, stop=[" the", "e"]),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7),
+              SamplingParams(temperature=0, max_tokens=1),
+              SamplingParams(temperature=0.5, seed=11, max_tokens=15, min_tokens=3)]
+    before = fast.llm_engine.num_launched_ahead
+    assert _run(fast, prompts, params) == _run(sync, prompts, params)
+    assert fast.llm_engine.num_launched_ahead > before  # the fast path was taken
+
+
+def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
+    """Requests that stop (EOS, max_tokens) or are aborted while the next step is already
+    launched: their extra token is dropped, invariants hold after every step, and every block
+    is free at the end."""
+    fast, sync = engines
+    engine = fast.llm_engine
+    monkeypatch.setattr(engine, "debug_invariants", True)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    expected = [o.outputs[0].token_ids for o in sync.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+    for i, p in enumerate(prompts + [[20, 21]]):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=10 if i < 3 else 40))
+    done, steps, dropped = {}, 0, engine.num_dropped_ahead
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 4:
+            assert engine._inflight is not None  # a step is in flight: abort under it
+            engine.abort_request("r3")
+    assert [done[f"r{i}"] for i in range(3)] == expected and "r3" not in done
+    assert engine.num_dropped_ahead > dropped  # requests did stop under a step launched ahead
+    assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks
+    assert fast.reset_prefix_cache() and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
