@@ -17,12 +17,14 @@ MODEL = "tiny"
 KEY = "sk-test"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def server(tiny_qwen, request):
     """(URL, the served LLMEngine, a separate LLM of the same model for expected outputs: the
     served engine belongs to the server's engine thread). The served engine's 16-token budget
-    and 16 sequences make prompts go in chunks beside other streams' decodes, and requests queue."""
-    llm = make_llm(tiny_qwen[0], max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=16)
+    and 16 sequences make prompts go in chunks beside other streams' decodes, and requests queue;
+    every test runs against the synchronous engine and against one with async scheduling."""
+    llm = make_llm(tiny_qwen[0], max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=16,
+                   async_scheduling=request.param)
     engine = AsyncEngine(llm.llm_engine)
     url, stop = serve_in_thread(build_app(engine, MODEL, api_key=KEY))
     yield url, llm.llm_engine, make_llm(tiny_qwen[0], max_model_len=256, block_size=4)
@@ -152,6 +154,8 @@ def test_64_concurrent_streams(server, client):
 
     for p, text in asyncio.run(main()):
         assert text == expected[p]
+    engine = server[1]
+    assert engine.num_launched_ahead > 0 if engine.async_scheduling else engine.num_launched_ahead == 0
 
 
 def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
