@@ -192,14 +192,17 @@ def test_same_step_requests_share_the_prefix(llms):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
-@pytest.mark.parametrize("seed,budget", [(1, None), (2, None), (3, 7)])
-def test_randomised_stress_with_invariants(tiny_qwen, seed, budget):
+@pytest.mark.parametrize("seed,budget,async_scheduling", [(1, None, False), (2, None, False), (3, 7, False),
+                                                           (4, None, True), (5, 7, True)])
+def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_scheduling):
     """Shared prefixes diverging anywhere, arrivals in the same and in different steps, aborts,
     preemption and a pool small enough to force eviction; invariants after every step; outputs
     equal to a cache-free engine; every block free after reset_prefix_cache(). budget 7: prompts
-    are prefilled in chunks of at most 7 tokens, mixed with decodes."""
+    are prefilled in chunks of at most 7 tokens, mixed with decodes. async_scheduling: decode
+    steps launched ahead whenever nothing waits."""
     llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=24,
-                   max_model_len=80, max_num_seqs=5, max_num_batched_tokens=budget)
+                   max_model_len=80, max_num_seqs=5, max_num_batched_tokens=budget,
+                   async_scheduling=async_scheduling)
     engine = llm.llm_engine
     rng = random.Random(seed)
     prompts = _workload(seed, n=30)
@@ -228,6 +231,7 @@ def test_randomised_stress_with_invariants(tiny_qwen, seed, budget):
     assert len(outputs) + len(aborted) >= len(prompts)
     assert engine.reset_prefix_cache()
     assert engine.block_manager.num_free_blocks == 24
+    assert (engine.num_launched_ahead > 0) == async_scheduling
 
 
 def test_debug_flag_checks_invariants_every_step(tiny_qwen, monkeypatch):
