@@ -2,6 +2,8 @@
 # The GPU run: the test suite with the engine on CUDA, the benchmarks, then a short table.
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
 #   stages: tests latency throughput prefix serve (default: all; each fits one 10-minute call)
+#   and ab: the experimental options against the defaults (latency at batch 1 and 128,
+#   throughput, serving), one 10-minute call
 # Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check),
 #      ENGINE_ARGS (extra engine options for every benchmark, e.g. "--mixed-graph-tokens 512").
 # The lent H200 lacks the server's packages: carry them as wheels in .whl/ (see benchmarks/README.md);
@@ -46,6 +48,19 @@ for stage in $STAGES; do
           | grep -v "it/s\]" | tee "$OUT/offline64.log"
       bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log" ;;
+    ab)
+      echo "== experimental options against the defaults =="
+      for cfg in "base:" "async:--async-scheduling" "async+mixed:--async-scheduling --mixed-graph-tokens 512"; do
+        name=${cfg%%:*}; args=${cfg#*:}
+        ENGINE_ARGS="$args" bench latency --model "$MODEL" --batch-sizes 1,128 --input-len 128 --output-len 256 2>&1 \
+            | grep -v "it/s\]" | tee "$OUT/ab_latency_$name.log" | grep -E "^picovllm"
+        ENGINE_ARGS="$args" bench throughput --model "$MODEL" --max-model-len 4096 2>&1 | grep -v "it/s\]" \
+            | tee "$OUT/ab_throughput_$name.log" | grep -E "^picovllm"
+        [ "$name" = async ] && continue  # serving (budget 512 for all): the defaults and both options
+        ENGINE_ARGS="$args --max-num-batched-tokens 512" bench serve --model "$MODEL" --concurrency 64 \
+            --num-prompts 256 --input-len 512 --output-len 128 2>&1 | grep -v "it/s\]" | tee "$OUT/ab_serve_$name.log" \
+            | grep -E "ITL|TTFT"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
@@ -53,7 +68,9 @@ done
 echo "== summary =="
 python3 - "$OUT" <<'PY'
 import json, os, sys
-for name in ("latency_graphs.log", "hf.log", "offline64.log", "throughput.log", "prefix.log", "serve.log"):
+names = ["latency_graphs.log", "hf.log", "offline64.log", "throughput.log", "prefix.log", "serve.log"]
+names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith("ab_"))
+for name in names:
     path = os.path.join(sys.argv[1], name)
     if not os.path.exists(path):
         continue
@@ -66,13 +83,13 @@ for name in ("latency_graphs.log", "hf.log", "offline64.log", "throughput.log", 
                 print(f"{name:20s} {x['system']:10s} bs={x['batch']:<4d} {x['ms_per_step']:8.3f} ms/step "
                       f"{x['decode_tok_s']:10.1f} tok/s {x['bw_frac']:7.1%} of copy BW")
         elif r["benchmark"] == "throughput":
-            print(f"throughput: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s")
+            print(f"{name:20s} throughput: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s")
         elif r["benchmark"] == "prefix":
             for x in r["results"]:
                 print(f"prefix {x['scenario'][:2]} warm TTFT x{x['warm_ttft_speedup']:.2f}, "
                       f"wall on vs off {x['wall_on_vs_off']:+.1%}, hit {x['hit_rate_on']:.0%}")
             print(f"prefix match+insert {r['match_insert_us']:.1f} us")
         elif r["benchmark"] == "serve":
-            print(f"serve: {r['output_tok_s']:.0f} output tok/s, ITL p50 {r['itl_ms']['p50']:.2f} "
+            print(f"{name:20s} serve: {r['output_tok_s']:.0f} output tok/s, ITL p50 {r['itl_ms']['p50']:.2f} "
                   f"p99 {r['itl_ms']['p99']:.2f} ms, TTFT p99 {r['ttft_ms']['p99']:.1f} ms")
 PY
