@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run: the test suite with the engine on CUDA, the benchmarks, then a short table.
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix serve (default: all; each fits one 10-minute call)
+#   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
+#   tests_engine: the rest of the test suite with the engine on CUDA
 #   and ab: the experimental options against the defaults (latency at batch 1 and 128,
 #   throughput, serving), one 10-minute call
 # Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check),
@@ -25,9 +26,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for stage in $STAGES; do
   case $stage in
     tests)
-      echo "== tests (engine on CUDA) =="
-      PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" \
+      echo "== GPU tests: parity, kernels, graphs, async scheduling =="
+      PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests/test_cuda.py tests/test_kernels.py tests/test_cuda_graph.py \
+          -q -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" \
           | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs|fused|trained|mixed)" | tail -30 ;;
+    tests_engine)
+      echo "== the rest of the suite with the engine on CUDA =="
+      PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -p no:cacheprovider --deselect tests/test_cuda.py \
+          2>&1 | tee "$OUT/tests_engine.log" | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
     latency)
       echo "== latency: CUDA graphs (the default), HF baselines =="
       bench latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \
