@@ -32,7 +32,7 @@ for stage in $STAGES; do
           | grep -E "passed|failed|FAILED|Error|^(fp32|bf16|CUDA graph|kernels vs|fused|trained|mixed)" | tail -30 ;;
     tests_engine)
       echo "== the rest of the suite with the engine on CUDA =="
-      PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -p no:cacheprovider --deselect tests/test_cuda.py \
+      PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -q -p no:cacheprovider --ignore=tests/test_cuda.py \
           2>&1 | tee "$OUT/tests_engine.log" | grep -E "passed|failed|FAILED|Error" | tail -30 ;;
     latency)
       echo "== latency: CUDA graphs (the default), HF baselines =="
