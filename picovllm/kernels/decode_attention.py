@@ -25,16 +25,19 @@ def num_splits(batch: int, num_kv_heads: int) -> int:
 
 
 @triton.jit
-def _query_row(query_start_loc, b, MIXED: tl.constexpr):
-    """The token row of sequence b's query, and whether b has exactly one query (always so in
-    a decode batch; in a mixed batch, the sequences with more belong to the prefill kernel)."""
+def _sequence(query_start_loc, context_lens, b, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIXED: tl.constexpr):
+    """Sequence b as both kernels see it: the token row of its query; whether it has exactly one
+    query (always so in a decode batch; in a mixed batch, the sequences with more belong to the
+    prefill kernel); its context length; and the keys per split (a whole number of key tiles)."""
     if MIXED:
         row = tl.load(query_start_loc + b)
         single = tl.load(query_start_loc + b + 1) - row == 1
     else:
         row = b
         single = True
-    return row, single
+    ctx = tl.load(context_lens + b)
+    part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    return row, single, ctx, part
 
 
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
@@ -49,11 +52,9 @@ def _decode_partition_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    row, single = _query_row(query_start_loc, b, MIXED)
+    row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIXED)
     if not single:
         return
-    ctx = tl.load(context_lens + b)
-    part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
     start = split * part
     if start >= ctx:
         return
@@ -87,11 +88,9 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc
                          SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row, single = _query_row(query_start_loc, b, MIXED)
+    row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIXED)
     if not single:
         return
-    ctx = tl.load(context_lens + b)
-    part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, BLOCK_D)
     smask = s * part < ctx
