@@ -3,7 +3,7 @@ batch into the static buffers. (Capture and replay run in scripts/gpu_check.sh.)
 import numpy as np
 import torch
 
-from picovllm.engine.cuda_graph import DecodeBuffers, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
+from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from picovllm.engine.model_runner import Uploader, build_inputs
 
 
@@ -17,13 +17,14 @@ def test_batch_size_ladder():
 
 def test_padding_rows_are_inert():
     """A decode batch of 3 padded to 4 on the host, then copied over stale buffer contents."""
-    buf = DecodeBuffers(8, max_blocks=5, device=torch.device("cpu"))
+    buf = DecodeGraphs(None, max_num_seqs=8, max_model_len=20, block_size=4, device=torch.device("cpu"))
+    assert buf.block_tables.shape == (8, 5)
     buf.vectors.fill_(99), buf.block_tables.fill_(7)  # stale values
     inputs = build_inputs([[11], [12], [13]], np.array([5, 9, 17]), np.ones(3, dtype=np.int64),
                           [[3, 4], [1, 2, 6], [0, 5, 8, 9, 10]], 4, Uploader(torch.device("cpu")), pad_to=4)
     assert inputs.logits_indices is None and inputs.meta.max_query_len == 1
     assert buf.fill(inputs) == 4
-    ids, positions, meta = buf.args(4, max_context_len=64)
+    ids, positions, meta = buf.args(4)
     assert ids.tolist() == [11, 12, 13, 0]
     assert positions.tolist() == [4, 8, 16, 0]
     assert meta.slot_mapping.tolist() == [4 * 4 + 0, 6 * 4 + 0, 10 * 4 + 0, -1]

@@ -37,48 +37,33 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in _LADDER if s < target] + [next(s for s in _LADDER if s >= target)]
 
 
-class DecodeBuffers:
-    """The static inputs every graph reads: the graph of batch size P reads rows [:P].
-
-    vectors [4, max_batch]: input ids, positions, slots, context lens (one copy per step fills
-    them, from the [4, P] array that build_inputs uploads already padded);
-    block_tables [max_batch, max_blocks]: a step copies the columns its contexts use; entries
-    past a sequence's context are never read."""
-
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device):
-        self.vectors = torch.zeros(4, max_batch, dtype=torch.int64, device=device)
-        self.vectors[2], self.vectors[3] = -1, 1
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
-
-    def fill(self, inputs) -> int:
-        """Copy a padded decode batch (ModelInputs with decode_rows) in; returns its size P."""
-        padded, width = inputs.decode_rows.shape[1], inputs.meta.block_tables.shape[1]
-        self.vectors[:, :padded].copy_(inputs.decode_rows)
-        self.block_tables[:padded, :width].copy_(inputs.meta.block_tables)
-        return padded
-
-    def args(self, batch: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) of the graph of this batch size."""
-        ids, positions, slots, context_lens = self.vectors[:, :batch]
-        meta = AttentionMetadata(slots, self.block_tables[:batch], context_lens, self.query_start_loc[:batch + 1],
-                                 max_query_len=1, max_context_len=max_context_len)
-        return ids, positions, meta
-
-
 class _GraphSet:
-    """Graphs of one model over static buffers, one per size, sharing one memory pool."""
+    """Graphs of one model over static input buffers, one graph per size, sharing one memory
+    pool. Both families hold block tables for max_seqs sequences (a step copies the columns its
+    contexts use; entries past a sequence's context are never read); fill() copies a step's
+    padded inputs in and returns the size to replay."""
 
     kind = "?"
 
-    def __init__(self, model: torch.nn.Module, sizes: list[int]):
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device):
         self.model = model
         self.sizes = sizes
+        self.max_model_len = max_model_len
+        self.block_tables = torch.zeros(max_seqs, -(-max_model_len // block_size), dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def args(self, size: int) -> tuple:
+    def args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of the graph of this size, views of the buffers."""
         raise NotImplementedError
+
+    def fill(self, inputs) -> int:
+        raise NotImplementedError
+
+    def _fill_tables(self, block_tables: torch.Tensor) -> None:
+        seqs, width = block_tables.shape
+        self.block_tables[:seqs, :width].copy_(block_tables)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -100,29 +85,44 @@ class _GraphSet:
                     self.sizes[0], self.sizes[-1], elapsed)
         return elapsed
 
-    def replay(self, size: int) -> torch.Tensor:
+    def run(self, inputs) -> torch.Tensor:
+        """Hidden states (all rows of the captured size) of a step that build_inputs padded."""
+        size = self.fill(inputs)
         self.graphs[size].replay()
         return self.outputs[size]
 
 
 class DecodeGraphs(_GraphSet):
+    """Decode, by batch size P; the graph of size P reads rows [:P].
+
+    vectors [4, max_batch]: input ids, positions, slots, context lens (one copy per step fills
+    them, from the [4, P] array that build_inputs uploads already padded)."""
+
     kind = "decode batch"
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device):
-        super().__init__(model, graph_batch_sizes(max_num_seqs))
-        self.max_model_len = max_model_len
-        self.buffers = DecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), device)
-
-    def args(self, size: int) -> tuple:
-        return self.buffers.args(size, self.max_model_len)
+        sizes = graph_batch_sizes(max_num_seqs)
+        super().__init__(model, sizes, sizes[-1], max_model_len, block_size, device)
+        self.vectors = torch.zeros(4, sizes[-1], dtype=torch.int64, device=device)
+        self.vectors[2], self.vectors[3] = -1, 1
+        self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int64, device=device)
 
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
-    def run(self, inputs) -> torch.Tensor:
-        """Hidden states of a decode batch already padded to a captured size (all P rows)."""
-        return self.replay(self.buffers.fill(inputs))
+    def args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids, positions, slots, context_lens = self.vectors[:, :size]
+        meta = AttentionMetadata(slots, self.block_tables[:size], context_lens, self.query_start_loc[:size + 1],
+                                 max_query_len=1, max_context_len=self.max_model_len)
+        return ids, positions, meta
+
+    def fill(self, inputs) -> int:
+        """A decode batch padded to P (ModelInputs with decode_rows): two copies."""
+        size = inputs.decode_rows.shape[1]
+        self.vectors[:, :size].copy_(inputs.decode_rows)
+        self._fill_tables(inputs.meta.block_tables)
+        return size
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
@@ -137,23 +137,22 @@ class MixedGraphs(_GraphSet):
     """Steps with prompt tokens, by token count T (a power of two from 16), for up to
     min(T, max_num_seqs) sequences.
 
-    tokens [3, max_tokens]: input ids, positions, slots; context_lens, query_start_loc and
-    block_tables for max_seqs sequences. A step copies its padded arrays in (four copies)."""
+    tokens [3, max_tokens]: input ids, positions, slots; context_lens and query_start_loc for
+    max_seqs sequences. A step copies its padded arrays in (four copies)."""
 
     kind = "mixed step tokens"
 
     def __init__(self, model: torch.nn.Module, max_tokens: int, max_num_seqs: int, max_model_len: int,
                  block_size: int, device: torch.device):
-        super().__init__(model, mixed_graph_sizes(max_tokens))
+        sizes = mixed_graph_sizes(max_tokens)
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        seqs = self.num_seqs(self.sizes[-1])
+        seqs = self.num_seqs(sizes[-1])
+        super().__init__(model, sizes, seqs, max_model_len, block_size, device)
         long = dict(dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(3, self.sizes[-1], **long)
+        self.tokens = torch.zeros(3, sizes[-1], **long)
         self.tokens[2] = -1
         self.context_lens = torch.zeros(seqs, **long)
         self.query_start_loc = torch.zeros(seqs + 1, **long)
-        self.block_tables = torch.zeros(seqs, -(-max_model_len // block_size), **long)
 
     def num_seqs(self, tokens: int) -> int:
         """Sequences the graph of this token count serves (each has at least one token)."""
@@ -162,7 +161,7 @@ class MixedGraphs(_GraphSet):
     def padded_size(self, num_tokens: int, num_seqs: int) -> int | None:
         return next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs), None)
 
-    def args(self, size: int) -> tuple:
+    def args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         seqs = self.num_seqs(size)
         ids, positions, slots = self.tokens[:, :size]
         meta = AttentionMetadata(slots, self.block_tables[:seqs], self.context_lens[:seqs],
@@ -170,13 +169,13 @@ class MixedGraphs(_GraphSet):
                                  max_context_len=self.max_model_len)
         return ids, positions, meta
 
-    def run(self, inputs) -> torch.Tensor:
-        """Hidden states (all T rows) of a step padded to a captured size by build_inputs."""
+    def fill(self, inputs) -> int:
+        """A step padded to T tokens and num_seqs(T) sequences (ModelInputs with token_rows)."""
         size = inputs.token_rows.shape[1]
-        seqs, width = inputs.meta.block_tables.shape
+        seqs = inputs.meta.block_tables.shape[0]
         assert seqs == self.num_seqs(size), (seqs, size)
         self.tokens[:, :size].copy_(inputs.token_rows)
         self.context_lens[:seqs].copy_(inputs.meta.context_lens)
         self.query_start_loc[:seqs + 1].copy_(inputs.meta.query_start_loc)
-        self.block_tables[:seqs, :width].copy_(inputs.meta.block_tables)
-        return self.replay(size)
+        self._fill_tables(inputs.meta.block_tables)
+        return size
