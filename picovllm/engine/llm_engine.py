@@ -287,7 +287,7 @@ class LLMEngine:
             return None
         # a request whose token in flight is its last (max_tokens, max_model_len) finishes
         # whatever that token is: it does not go on
-        rows = [i for i, r in enumerate(reqs) if not self._last_token_in_flight(r)]
+        rows = [i for i, r in enumerate(reqs) if not self._at_length_limit(r, pending=1)]
         if not rows:
             return None
         ahead = [reqs[i] for i in rows]
@@ -307,10 +307,12 @@ class LLMEngine:
             pending = pending[index]
         return self._launch(ScheduledBatch(ahead, [1] * len(ahead)), pending=pending)
 
-    def _last_token_in_flight(self, req: Request) -> bool:
+    def _at_length_limit(self, req: Request, pending: int = 0) -> bool:
+        """Whether req has reached max_tokens or max_model_len, counting `pending` tokens that
+        are sampled but not yet appended."""
         max_tokens = req.params.max_tokens
-        return (max_tokens is not None and req.num_output_tokens + 1 >= max_tokens) \
-            or req.num_tokens + 1 >= self.max_model_len
+        return (max_tokens is not None and req.num_output_tokens + pending >= max_tokens) \
+            or req.num_tokens + pending >= self.max_model_len
 
     def _process(self, reqs: list[Request], tokens: list[int], out: SamplerOutput | None) -> list[RequestOutput]:
         """Append each sampling request's token; a step of prompt chunks alone samples nothing."""
@@ -342,8 +344,7 @@ class LLMEngine:
 
     def _check_finished(self, req: Request, token: int) -> tuple[str | None, int | str | None]:
         p = req.params
-        num_output = req.num_output_tokens
-        past_min = num_output >= p.min_tokens
+        past_min = req.num_output_tokens >= p.min_tokens
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
         if past_min and token in p.stop_token_ids:
@@ -351,7 +352,7 @@ class LLMEngine:
         detokenize = self.detokenizer is not None and p.detokenize
         if detokenize and (stop := self.detokenizer.step(req)) is not None:
             return "stop", stop
-        if (p.max_tokens is not None and num_output >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+        if self._at_length_limit(req):
             if detokenize and (stop := self.detokenizer.flush(req)) is not None:
                 return "stop", stop
             return "length", None
