@@ -84,8 +84,10 @@ class PrefixCache:
         req.lock_node = node
 
     def release(self, req: Request) -> None:
+        """Drop everything req holds: its blocks' references, its lock; it has nothing computed."""
         self.block_manager.free(req.block_table)
         req.block_table = []
+        req.num_cached_tokens = req.num_computed_tokens = 0
         if req.lock_node is not None:
             self.tree.lock(req.lock_node, -1)
             req.lock_node = None

@@ -102,7 +102,6 @@ class Scheduler:
             reserve = len(self.running)
             if n > budget or needed + reserve > cache.num_available_blocks:
                 cache.release(req)
-                req.num_cached_tokens = req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             cache.allocate(req, needed)
@@ -118,7 +117,6 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.cache.insert(req, req.num_computed_tokens)  # keep its computed blocks: recompute mostly hits
         self.cache.release(req)
-        req.num_cached_tokens = req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
