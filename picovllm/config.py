@@ -144,11 +144,12 @@ class EngineConfig:
     # CUDA graphs for decode are captured at start-up (GPU only) unless this is set, as in vLLM.
     enforce_eager: bool = False
     # Steps with prompt tokens of up to this many tokens replay CUDA graphs too (token counts 16,
-    # 32, ... up to it); 0: they run eagerly. Off until measured on a GPU (engine/cuda_graph.py).
-    mixed_graph_tokens: int = 0
+    # 32, ... up to it, like vLLM's capture sizes up to 512); 0: they run eagerly
+    # (engine/cuda_graph.py; figures in benchmarks/README.md).
+    mixed_graph_tokens: int = 512
     # Launch a decode step before the previous one's tokens are read (on the device), so the
-    # host's work overlaps the GPU's; off by default, as in vLLM, until measured on a GPU.
-    async_scheduling: bool = False
+    # host's work overlaps the GPU's (vLLM's --async-scheduling); outputs are the same.
+    async_scheduling: bool = True
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:

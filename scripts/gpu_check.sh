@@ -56,13 +56,13 @@ for stage in $STAGES; do
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log" ;;
     ab)
       echo "== experimental options against the defaults =="
-      for cfg in "base:" "async:--async-scheduling" "async+mixed:--async-scheduling --mixed-graph-tokens 512"; do
+      for cfg in "sync_eager_mixed:--no-async-scheduling --mixed-graph-tokens 0" "sync:--no-async-scheduling" "defaults:"; do
         name=${cfg%%:*}; args=${cfg#*:}
         ENGINE_ARGS="$args" bench latency --model "$MODEL" --batch-sizes 1,128 --input-len 128 --output-len 256 2>&1 \
             | grep -v "it/s\]" | tee "$OUT/ab_latency_$name.log" | grep -E "^picovllm"
         ENGINE_ARGS="$args" bench throughput --model "$MODEL" --max-model-len 4096 2>&1 | grep -v "it/s\]" \
             | tee "$OUT/ab_throughput_$name.log" | grep -E "^picovllm"
-        [ "$name" = async ] && continue  # serving (budget 512 for all): the defaults and both options
+        [ "$name" = sync ] && continue  # serving (budget 512 for all): the defaults and neither option
         ENGINE_ARGS="$args --max-num-batched-tokens 512" bench serve --model "$MODEL" --concurrency 64 \
             --num-prompts 256 --input-len 512 --output-len 128 2>&1 | grep -v "it/s\]" | tee "$OUT/ab_serve_$name.log" \
             | grep -E "ITL|TTFT"

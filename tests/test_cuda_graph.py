@@ -81,7 +81,8 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     for t, saved in zip(engine.block_manager.layer_caches()[0], caches):
         t.copy_(saved)
     runner.mixed_graphs = EagerMixed()
-    inputs = runner.prepare(batch)
+    with torch.inference_mode():  # as the engine calls it (on CUDA, the upload buffers are inference tensors)
+        inputs = runner.prepare(batch)
     assert inputs.token_rows.shape == (3, 16) and inputs.token_rows[2, 12:].eq(-1).all()
     assert inputs.meta.query_start_loc.tolist() == [0, 1, 12, 12, 12] and inputs.meta.context_lens.tolist()[2:] == [0, 0]
     padded = runner.logits(batch)

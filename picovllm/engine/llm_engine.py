@@ -22,6 +22,7 @@ from picovllm.engine.model_runner import ModelRunner
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import SamplerOutput
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
+from picovllm.kernels import triton_utils
 from picovllm.model.loader.model_loader import resolve_model
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -126,8 +127,12 @@ class LLMEngine:
         self.model_runner.bind_kv_cache(self.block_manager)
         self.graph_capture_s = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graph_capture_s = self.model_runner.capture_graphs(config.max_num_seqs, max_model_len,
-                                                                    config.mixed_graph_tokens)
+            if triton_utils.ENABLED and triton_utils.HAS_TRITON:
+                mixed_tokens = min(config.mixed_graph_tokens, self.max_num_batched_tokens)
+                self.graph_capture_s = self.model_runner.capture_graphs(config.max_num_seqs, max_model_len,
+                                                                        mixed_tokens)
+            else:  # the PyTorch reference path syncs (nonzero, data-dependent shapes): not capturable
+                logger.warning("CUDA graphs need the Triton kernels (disabled or missing): running eager")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.enable_chunked_prefill)
         self.groups: dict[str, _Group] = {}

@@ -37,11 +37,11 @@ def _engine_parser() -> argparse.ArgumentParser:
                    help="token budget of a step, decodes and prefill chunks together (default 8192)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill long prompts over several steps, mixed with decodes")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="launch each decode step before the previous one's tokens are read (experimental)")
-    g.add_argument("--mixed-graph-tokens", type=int, default=0,
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode step before the previous one's tokens are read (default: on)")
+    g.add_argument("--mixed-graph-tokens", type=int, default=512,
                    help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too "
-                        "(experimental; default 0: eager)")
+                        "(0: eager)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
