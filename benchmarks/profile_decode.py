@@ -1,8 +1,13 @@
-"""GPU time per kernel of a decode step, Qwen2.5-1.5B shapes with random weights (GPU only).
+"""GPU time per kernel of a step, Qwen2.5-1.5B shapes with random weights (GPU only).
 
 Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
-(without "graphs" the step runs eagerly)."""
+         a decode step at BATCH (without "graphs" the step runs eagerly);
+       PYTHONPATH=. python benchmarks/profile_decode.py prefix [CACHED] [NEW]
+         the warm request of `picovllm bench prefix` scenario b: a prompt whose first CACHED
+         tokens (default 2083) are in the prefix cache and NEW (default 40) are not, with the
+         default engine (graphs); prints its wall time (TTFT) next to the GPU kernel time."""
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -12,9 +17,16 @@ from picovllm import LLM, SamplingParams
 STEPS = 10
 
 
-def main() -> None:
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    eager = len(sys.argv) < 3 or sys.argv[2] != "graphs"
+def report(prof, steps: int, label: str) -> None:
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events)
+    print(f"{label}: GPU kernel time per step {total / steps / 1e3:.3f} ms, "
+          f"kernels per step {sum(e.count for e in events) / steps:.0f}")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"{e.self_device_time_total / steps:9.1f} us/step  x{e.count / steps:5.0f}  {e.key[:90]}")
+
+
+def decode(batch: int, eager: bool) -> None:
     llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, enforce_eager=eager,
               gpu_memory_utilization=0.5)
     engine = llm.llm_engine
@@ -27,13 +39,31 @@ def main() -> None:
         for _ in range(STEPS):
             engine.step()
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events)
-    print(f"batch {batch}: GPU kernel time per step {total / STEPS / 1e3:.3f} ms, "
-          f"kernels per step {sum(e.count for e in events) / STEPS:.0f}")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        print(f"{e.self_device_time_total / STEPS:9.1f} us/step  x{e.count / STEPS:5.0f}  {e.key[:90]}")
+    report(prof, STEPS, f"decode batch {batch}")
+
+
+def warm_prefill(cached: int = 2083, new: int = 40) -> None:
+    llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.5)
+    prefix = [100 + i % 1000 for i in range(cached)]
+    one = SamplingParams(max_tokens=1)
+    llm.generate({"prompt_token_ids": prefix}, one, use_tqdm=False)
+    queries = [{"prompt_token_ids": prefix + [2000 + 7 * q + i for i in range(new)]} for q in range(2 * STEPS)]
+    for q in queries[:STEPS]:  # warm-up (kernel compilation)
+        llm.generate(q, one, use_tqdm=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for q in queries[STEPS:]:
+            out = llm.generate(q, one, use_tqdm=False)[0]
+            assert out.num_cached_tokens == cached // 16 * 16, out.num_cached_tokens
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / STEPS
+    print(f"warm prefill, {cached} cached + {new} new tokens: wall {wall * 1e3:.2f} ms per request (profiled)")
+    report(prof, STEPS, "warm prefill")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "prefix":
+        warm_prefill(*(int(a) for a in sys.argv[2:4]))
+    else:
+        decode(int(sys.argv[1]) if len(sys.argv) > 1 else 1, len(sys.argv) < 3 or sys.argv[2] != "graphs")

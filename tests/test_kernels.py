@@ -12,6 +12,7 @@ from picovllm.kernels.decode_attention import decode_attention_triton, num_split
 from picovllm.kernels.gemv import fused_linear_ref, gemv_triton  # noqa: E402
 from picovllm.kernels.kv_store import rope_and_store_ref, rope_and_store_triton  # noqa: E402
 from picovllm.kernels.paged_attention import paged_attention_ref, plan_paged_attention  # noqa: E402
+from picovllm.kernels.prefill_attention import num_splits as prefill_splits  # noqa: E402
 from picovllm.kernels.prefill_attention import prefill_attention_triton  # noqa: E402
 from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_triton  # noqa: E402
@@ -92,6 +93,23 @@ def test_prefill_attention_with_cached_prefix(dtype, block_size):
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     out = prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=32)
     _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_split_k_over_long_prefixes(dtype):
+    """Few queries over long cached prefixes, the keys split over programs (slices of at least
+    2 key tiles, so short ranges stay in one split and are written directly) and merged; query
+    blocks of one sequence see different numbers of splits, and some rows none of the last."""
+    block_size = 16
+    q_lens, prefix = [3, 40, 2, 17, 1], [300, 129, 0, 31, 250]
+    query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size, seed=3)
+    plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
+    ref = paged_attention_ref(query, kc, vc, plan, scale)
+    assert prefill_splits(6, max(q_lens), 16) == 16  # what splits=None picks here: the most
+    for splits in (1, 2, None):
+        out = prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16,
+                                       splits=splits)
+        _close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,5 +1,7 @@
 """Hugging Face transformers on the same weights, dtype and device, for side-by-side figures.
-mode 'eager': model.generate as shipped; 'compiled': static KV cache + torch.compile."""
+mode 'eager': model.generate as shipped; 'compiled': static KV cache, with which generate compiles
+the decode step itself (torch.compile, mode reduce-overhead: CUDA graphs; compiling the forward by
+hand as well fails with transformers 5: CUDA-graph outputs overwritten)."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +29,6 @@ class HFRunner:
         self.mode = mode
         if mode == "compiled":
             self.model.generation_config.cache_implementation = "static"
-            self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
         elif mode != "eager":
             raise ValueError(f"unknown HF baseline mode {mode!r}; use eager or compiled")
 
