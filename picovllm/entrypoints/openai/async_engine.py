@@ -2,7 +2,7 @@
 
 HTTP handlers never run the model: they submit requests and abort them through a thread-safe
 queue, and receive each request's RequestOutputs on an asyncio queue fed from the engine thread
-(loop.call_soon_threadsafe). The engine thread steps while anything is unfinished and sleeps on
+(loop.call_soon_threadsafe, once per step). The engine thread steps while anything is unfinished and sleeps on
 an event otherwise.
 """
 from __future__ import annotations
@@ -24,6 +24,11 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 class EngineDeadError(RuntimeError):
@@ -95,10 +100,14 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = engine.step()
+                # one wake-up of each event loop per step, not one per output
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                        by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                for loop, items in by_loop.items():
+                    loop.call_soon_threadsafe(_deliver, items)
                 if self.on_step is not None:
                     self.on_step(engine, outputs)
         except BaseException as e:  # the engine is broken: fail every waiting stream, loudly
