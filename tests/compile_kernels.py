@@ -27,7 +27,7 @@ def main(dt: str) -> None:
                                                    SKIP_SINGLE=skip, SPLITS=splits, MIN_PART=128))
           for skip in (False, True) for splits in (1, 16)],
         (prefill_attention._prefill_merge_kernel,
-         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SKIP_SINGLE=True, SPLITS=16, MIN_PART=128)),
+         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SKIP_SINGLE=True, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
         *[(decode_attention._decode_partition_kernel,
            dict(SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision, MIXED=mixed))
           for splits in (1, 16) for mixed in (False, True)],

@@ -105,9 +105,9 @@ def test_prefill_attention_split_k_over_long_prefixes(dtype):
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size, seed=3)
     plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
-    assert prefill_splits(6, max(q_lens), 16) == 16  # what splits=None picks here: the most
-    for splits in (1, 2, None):
-        out = prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16,
+    assert prefill_splits(6, max(q_lens), 32) == 16  # what splits=None picks here: the most
+    for splits in (1, 2, None):  # query blocks of 32 rows, merged 16 at a time
+        out = prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16,
                                        splits=splits)
         _close(out, ref, dtype)
 
@@ -141,6 +141,16 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
         prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16,
                                  out=out, skip_single=True)
         _close(out, ref, dtype)
+
+
+def test_prefill_splits_fill_the_gpu_within_the_program_cap():
+    """Qwen2.5-1.5B's 12 heads, query blocks of 64: the mixed-step graphs (token count T, min(T,
+    256) sequence slots) split for few tokens and not from 256 tokens on; eager steps by their
+    real sequence count."""
+    graphs = {t: prefill_splits(12, t, 64, min(t, 256)) for t in (16, 32, 64, 128, 256, 512)}
+    assert graphs == {16: 16, 32: 16, 64: 16, 128: 4, 256: 1, 512: 1}
+    assert prefill_splits(12, 40, 64, 1) == 16 and prefill_splits(12, 2123, 64, 1) == 1
+    assert prefill_splits(12, 512, 64, 64) == 2 and prefill_splits(12, 512, 64, 200) == 1
 
 
 def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():

@@ -49,6 +49,7 @@ class PicoRunner:
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         engine = self.llm.llm_engine
         host, steps = engine.host_time_s, engine.num_steps
+        self.llm.reset_prefix_cache()  # every run prefills its prompts (the warm-up ran the same ones)
         self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
         self.host_ms_per_step = 1e3 * (engine.host_time_s - host) / max(engine.num_steps - steps, 1)
