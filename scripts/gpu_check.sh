@@ -3,10 +3,11 @@
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
 #   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
 #   tests_engine: the rest of the test suite with the engine on CUDA
-#   and ab: the experimental options against the defaults (latency at batch 1 and 128,
-#   throughput, serving), one 10-minute call
-# Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager"), OUT (default /tmp/gpu_check),
-#      ENGINE_ARGS (extra engine options for every benchmark, e.g. "--mixed-graph-tokens 512").
+#   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
+#   and 128, throughput, serving), one 10-minute call
+# Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager compiled": transformers as shipped and with its
+#      static cache compiled by generate), OUT (default /tmp/gpu_check),
+#      ENGINE_ARGS (extra engine options for every benchmark, e.g. "--mixed-graph-tokens 0").
 # The lent H200 lacks the server's packages: carry them as wheels in .whl/ (see benchmarks/README.md);
 # they are installed into /tmp/site when present.
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -38,7 +39,7 @@ for stage in $STAGES; do
       echo "== latency: CUDA graphs (the default), HF baselines =="
       bench latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 512 \
           --plot "$OUT/latency_graphs.png" 2>&1 | grep -v "it/s\]" | tee "$OUT/latency_graphs.log"
-      HF_FLAGS=$(for m in ${HF_MODES:-eager}; do printf -- "--hf %s " "$m"; done)
+      HF_FLAGS=$(for m in ${HF_MODES:-eager compiled}; do printf -- "--hf %s " "$m"; done)
       bench latency --model "$MODEL" --batch-sizes 1 --input-len 128 --output-len 128 \
           $HF_FLAGS 2>&1 | grep -v "it/s\]" | tee "$OUT/hf.log" ;;
     throughput)
@@ -53,9 +54,13 @@ for stage in $STAGES; do
       bench latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
           | grep -v "it/s\]" | tee "$OUT/offline64.log"
       bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
-          --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log" ;;
+          --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log"
+      for budget in 512 256; do  # smaller step budgets: prompt chunks stall the streams less
+        bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 \
+            --max-num-batched-tokens $budget 2>&1 | grep -v "it/s\]" | tee "$OUT/serve_b$budget.log" | grep -E "ITL|TTFT"
+      done ;;
     ab)
-      echo "== experimental options against the defaults =="
+      echo "== the defaults against the engine with async scheduling and mixed-step graphs off =="
       for cfg in "sync_eager_mixed:--no-async-scheduling --mixed-graph-tokens 0" "sync:--no-async-scheduling" "defaults:"; do
         name=${cfg%%:*}; args=${cfg#*:}
         ENGINE_ARGS="$args" bench latency --model "$MODEL" --batch-sizes 1,128 --input-len 128 --output-len 256 2>&1 \
@@ -75,7 +80,7 @@ echo "== summary =="
 python3 - "$OUT" <<'PY'
 import json, os, sys
 names = ["latency_graphs.log", "hf.log", "offline64.log", "throughput.log", "prefix.log", "serve.log"]
-names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith("ab_"))
+names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith(("serve_b", "ab_")))
 for name in names:
     path = os.path.join(sys.argv[1], name)
     if not os.path.exists(path):
