@@ -20,14 +20,13 @@ def main(dt: str) -> None:
     ptrs = {n: p for n in ("q", "k", "v", "q_out", "k_cache", "v_cache", "out", "x", "weight", "gate_up", "cos", "sin",
                             "bias", "norm_weight", "residual")}
     ptrs.update(block_tables="*i64", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
-                part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32")
+                part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32", work="*i64")
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
         *[(prefill_attention._prefill_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision,
-                                                   SKIP_SINGLE=skip, SPLITS=splits, MIN_PART=128))
-          for skip in (False, True) for splits in (1, 16)],
+                                                   SPLITS=splits, MIN_PART=128)) for splits in (1, 16)],
         (prefill_attention._prefill_merge_kernel,
-         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SKIP_SINGLE=True, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
+         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
         *[(decode_attention._decode_partition_kernel,
            dict(SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision, MIXED=mixed))
           for splits in (1, 16) for mixed in (False, True)],

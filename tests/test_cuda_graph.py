@@ -40,6 +40,7 @@ def test_prefill_inputs_sample_the_last_token_of_each_sequence():
     assert inputs.positions.tolist() == [0, 1, 2, 5]
     assert inputs.meta.slot_mapping.tolist() == [8, 9, 10, 1 * 4 + 1]
     assert inputs.logits_indices.tolist() == [2, 3] and inputs.decode_rows is None
+    assert inputs.meta.prefill_work.tolist() == [0]  # sequence 0's one query block (1 is the decode kernel's)
 
 
 def test_mixed_graph_sizes_and_padding_choice():
@@ -48,6 +49,9 @@ def test_mixed_graph_sizes_and_padding_choice():
     assert graphs.padded_size(16, 3) == 16 and graphs.padded_size(17, 3) == 32
     assert graphs.num_seqs(16) == 4 and graphs.padded_size(10, 5) is None  # more sequences than captured
     assert graphs.padded_size(129, 1) is None  # more tokens than the largest graph
+    # prefill work: query blocks of 64 of the multi-token sequences, at most 8 more than T / 64
+    assert [graphs.work_capacity(t) for t in (16, 64, 128)] == [9, 9, 10]
+    assert graphs.padded_size(16, 3, 9) == 16 and graphs.padded_size(16, 3, 10) == 128
 
 
 def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
@@ -75,7 +79,8 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
 
     class EagerMixed:  # MixedGraphs' padding without the graphs
         num_seqs = staticmethod(lambda size: 4)
-        padded_size = staticmethod(lambda tokens, seqs: 16)
+        padded_size = staticmethod(lambda tokens, seqs, work_items: 16)
+        work_capacity = staticmethod(lambda size: 3)
         run = staticmethod(lambda inputs: runner.model(inputs.input_ids, inputs.positions, inputs.meta))
 
     for t, saved in zip(engine.block_manager.layer_caches()[0], caches):
@@ -85,6 +90,7 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
         inputs = runner.prepare(batch)
     assert inputs.token_rows.shape == (3, 16) and inputs.token_rows[2, 12:].eq(-1).all()
     assert inputs.meta.query_start_loc.tolist() == [0, 1, 12, 12, 12] and inputs.meta.context_lens.tolist()[2:] == [0, 0]
+    assert inputs.meta.prefill_work.tolist() == [1 << 16, -1, -1]  # b's one query block; a is the decode kernel's
     padded = runner.logits(batch)
     torch.testing.assert_close(padded, unpadded, atol=1e-5, rtol=1e-5)
     for t, expected in zip(engine.block_manager.layer_caches()[0], stored):

@@ -3,6 +3,7 @@ non-power-of-2 sizes, contexts crossing block boundaries, padding slots, non-con
 On CPU they run in Triton's interpreter (fp32/fp16: its bf16 dot is unreliable); on CUDA in bf16 too."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,13 +145,43 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
 
 
 def test_prefill_splits_fill_the_gpu_within_the_program_cap():
-    """Qwen2.5-1.5B's 12 heads, query blocks of 64: the mixed-step graphs (token count T, min(T,
-    256) sequence slots) split for few tokens and not from 256 tokens on; eager steps by their
-    real sequence count."""
-    graphs = {t: prefill_splits(12, t, 64, min(t, 256)) for t in (16, 32, 64, 128, 256, 512)}
-    assert graphs == {16: 16, 32: 16, 64: 16, 128: 4, 256: 1, 512: 1}
-    assert prefill_splits(12, 40, 64, 1) == 16 and prefill_splits(12, 2123, 64, 1) == 1
-    assert prefill_splits(12, 512, 64, 64) == 2 and prefill_splits(12, 512, 64, 200) == 1
+    """Qwen2.5-1.5B's 12 heads, query blocks of 64: the mixed-step graphs (T tokens, T/64 + 8
+    work items) split more the fewer their tokens; eager steps by their real work items."""
+    graphs = {t: prefill_splits(12, t, 64, -(-t // 64) + 8) for t in (16, 32, 64, 128, 256, 512)}
+    assert graphs == {16: 16, 32: 16, 64: 16, 128: 16, 256: 8, 512: 4}
+    assert prefill_splits(12, 40, 64, 1) == 16 and prefill_splits(12, 2123, 64, 34) == 1
+    assert prefill_splits(12, 512, 64, 512) == 2 and prefill_splits(12, 512, 64, 1600) == 1
+
+
+def test_prefill_work_lists_query_blocks_of_multi_query_sequences():
+    from picovllm.kernels.prefill_attention import num_work_items, prefill_work
+
+    lens = np.array([1, 5, 130, 0, 64, 65])
+    items = [(1, 0), (2, 0), (2, 1), (2, 2), (4, 0), (5, 0), (5, 1)]  # (sequence, query block)
+    assert prefill_work(lens, 64).tolist() == [b << 16 | m for b, m in items] and num_work_items(lens, 64) == 7
+    assert prefill_work(lens, 64, capacity=9).tolist()[7:] == [-1, -1]
+    assert prefill_work(lens, 64, include_single=True).tolist()[0] == 0
+    assert prefill_work(np.array([1, 1]), 64).tolist() == [] and num_work_items(np.array([1, 1])) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_padded_work_list(dtype):
+    """A work list padded with -1 (as CUDA graphs hold it) and given out of order computes the
+    same rows; rows of sequences it leaves out are not written."""
+    from picovllm.kernels.prefill_attention import prefill_work
+
+    q_lens, prefix = [3, 40, 1, 17], [30, 9, 20, 0]
+    query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, 16, seed=4)
+    plan = plan_paged_attention(tables, ctx, qsl, 16, max(q_lens), int(ctx.max()))
+    ref = paged_attention_ref(query, kc, vc, plan, scale)
+    work = prefill_work(q_lens, 32, capacity=8)[[4, 0, 5, 1, 6, 2, 7, 3]]
+    out = torch.full_like(query, float("nan"))
+    prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16, out=out,
+                             work=torch.from_numpy(work).to(DEV))
+    single = int(qsl[2])
+    assert out[single].isnan().all()
+    rows = [r for r in range(query.shape[0]) if r != single]
+    _close(out[rows], ref[rows], dtype)
 
 
 def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
@@ -214,3 +245,26 @@ def test_gemv_with_fused_norm_bias_activation_residual(dtype, rows, fusion):
     assert out.shape == (rows, n)
     _close(out, ref, dtype)
     _close(gemv_triton(x, w, **kwargs), ref, dtype)  # the default tiles
+
+
+def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch):
+    """The whole engine on the Triton path, on CPU tensors in Triton's interpreter: chunked
+    prompts mixed with decodes (a 32-token budget), so mixed steps send single-query sequences
+    to the decode kernel and the prefill kernel takes work lists; GEMV at batch 1 at the end.
+    Greedy tokens equal the PyTorch reference path's (fp32). On a GPU, tests/test_cuda.py
+    compares the two at Qwen2.5-1.5B's shapes."""
+    from conftest import TEST_DEVICE, make_llm
+
+    from picovllm import SamplingParams
+    from picovllm.kernels import triton_utils
+
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the interpreter runs on CPU tensors")
+    prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + n))} for i, n in enumerate([5, 37, 2, 20])]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 4, 2, 8)]
+    outputs = {}
+    for on in (True, False):
+        monkeypatch.setattr(triton_utils, "ON_CPU", on)
+        llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=4)
+        outputs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[True] == outputs[False] and [len(t) for t in outputs[True]] == [3, 4, 2, 8]

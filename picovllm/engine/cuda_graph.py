@@ -23,11 +23,13 @@ import logging
 import time
 import torch
 
+from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
 from picovllm.model.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("picovllm")
 
 MAX_GRAPH_BATCH = 512
+MAX_GRAPH_PREFILLS = 8  # a mixed-step graph serves steps with up to this many multi-token sequences
 _LADDER = [1, 2, 4, 8, *range(16, MAX_GRAPH_BATCH + 1, 16)]
 
 
@@ -135,10 +137,11 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
 
 class MixedGraphs(_GraphSet):
     """Steps with prompt tokens, by token count T (a power of two from 16), for up to
-    min(T, max_num_seqs) sequences.
+    min(T, max_num_seqs) sequences and work_capacity(T) items of prefill attention work.
 
     tokens [3, max_tokens]: input ids, positions, slots; context_lens and query_start_loc for
-    max_seqs sequences. A step copies its padded arrays in (four copies)."""
+    max_seqs sequences; the prefill attention's work list. A step copies its padded arrays in
+    (five copies)."""
 
     kind = "mixed step tokens"
 
@@ -153,20 +156,29 @@ class MixedGraphs(_GraphSet):
         self.tokens[2] = -1
         self.context_lens = torch.zeros(seqs, **long)
         self.query_start_loc = torch.zeros(seqs + 1, **long)
+        self.work = torch.full((self.work_capacity(sizes[-1]),), -1, **long)
 
     def num_seqs(self, tokens: int) -> int:
         """Sequences the graph of this token count serves (each has at least one token)."""
         return min(tokens, self.max_num_seqs)
 
-    def padded_size(self, num_tokens: int, num_seqs: int) -> int | None:
-        return next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs), None)
+    @staticmethod
+    def work_capacity(tokens: int) -> int:
+        """Prefill attention work items (blocks of BLOCK_M queries of sequences with several) the
+        graph of this token count serves: any step with at most MAX_GRAPH_PREFILLS such sequences."""
+        return -(-tokens // PREFILL_BLOCK_M) + MAX_GRAPH_PREFILLS
+
+    def padded_size(self, num_tokens: int, num_seqs: int, work_items: int = 0) -> int | None:
+        return next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs
+                     and self.work_capacity(s) >= work_items), None)
 
     def args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         seqs = self.num_seqs(size)
         ids, positions, slots = self.tokens[:, :size]
         meta = AttentionMetadata(slots, self.block_tables[:seqs], self.context_lens[:seqs],
                                  self.query_start_loc[:seqs + 1], max_query_len=size,
-                                 max_context_len=self.max_model_len)
+                                 max_context_len=self.max_model_len,
+                                 prefill_work=self.work[: self.work_capacity(size)])
         return ids, positions, meta
 
     def fill(self, inputs) -> int:
@@ -177,5 +189,6 @@ class MixedGraphs(_GraphSet):
         self.tokens[:, :size].copy_(inputs.token_rows)
         self.context_lens[:seqs].copy_(inputs.meta.context_lens)
         self.query_start_loc[:seqs + 1].copy_(inputs.meta.query_start_loc)
+        self.work[: self.work_capacity(size)].copy_(inputs.meta.prefill_work)
         self._fill_tables(inputs.meta.block_tables)
         return size

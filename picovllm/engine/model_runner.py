@@ -16,6 +16,7 @@ from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from picovllm.engine.scheduler import ScheduledBatch
+from picovllm.kernels.prefill_attention import num_work_items, prefill_work
 from picovllm.model.layers.attention import AttentionMetadata
 from picovllm.model.loader.model_loader import load_model
 
@@ -74,15 +75,16 @@ class Uploader:
 
 def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens: np.ndarray,
                  block_tables: list[list[int]], block_size: int, upload, pad_to: int | None = None,
-                 sample: np.ndarray | None = None, pad_mixed: tuple[int, int] | None = None) -> ModelInputs:
+                 sample: np.ndarray | None = None, pad_mixed: tuple[int, int, int] | None = None) -> ModelInputs:
     """Inputs for B sequences whose last query_lens[b] tokens (of num_tokens[b]) are computed.
     token_ids[b] holds those new tokens; sample[b] (default all) marks the sequences whose last
     new token is sampled.
 
     Padding for CUDA graphs: pad_to (decode only) adds inert sequences up to that batch size
     (token 0 at position 0, slot -1 so nothing is stored, a one-token context over block 0);
-    pad_mixed = (T, S) pads any step to T tokens and S sequences (padding tokens: slot -1, in no
-    sequence; padding sequences: no tokens, no context)."""
+    pad_mixed = (T, S, W) pads any step to T tokens, S sequences and W prefill work items
+    (padding tokens: slot -1, in no sequence; padding sequences: no tokens, no context; padding
+    work items: -1)."""
     num_seqs = len(query_lens)
     width = max(1, max(len(t) for t in block_tables))
     rows = pad_to or (pad_mixed[1] if pad_mixed else num_seqs)
@@ -100,8 +102,11 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
     last = query_start_loc[1:] - 1
     logits_indices = last if sample is None else last[sample]
     decode_rows = token_rows = None
+    work = None  # the prefill attention's work list (not for decode batches)
+    if pad_mixed is not None or not decode:
+        work = prefill_work(query_lens, capacity=pad_mixed[2] if pad_mixed else None)
     if pad_mixed is not None:  # [3, T] tokens, then the sequences' arrays, padded
-        size, seqs = pad_mixed
+        size, seqs, _ = pad_mixed
         assert size >= total and seqs >= num_seqs, (pad_mixed, total, num_seqs)
         tokens = np.zeros((3, size), dtype=np.int64)
         tokens[2] = -1
@@ -110,8 +115,8 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         context_lens[:num_seqs] = num_tokens
         padded_qsl = np.full(seqs + 1, total, dtype=np.int64)
         padded_qsl[: num_seqs + 1] = query_start_loc
-        token_rows, ctx_dev, tables_dev, qsl_dev, logits_dev = upload(tokens, context_lens, tables, padded_qsl,
-                                                                      logits_indices)
+        token_rows, ctx_dev, tables_dev, qsl_dev, logits_dev, work_dev = upload(
+            tokens, context_lens, tables, padded_qsl, logits_indices, work)
         input_ids_dev, positions_dev, slots_dev = token_rows
     elif decode:  # one [4, B] array (ids, positions, slots, context lens), which graphs copy at once
         vectors = np.zeros((4, rows), dtype=np.int64)
@@ -119,17 +124,17 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         vectors[:, :num_seqs] = input_ids, positions, slots, num_tokens
         decode_rows, tables_dev, qsl_dev = upload(vectors, tables, np.arange(rows + 1, dtype=np.int64))
         input_ids_dev, positions_dev, slots_dev, ctx_dev = decode_rows
-        logits_dev = None  # every row is sampled
+        logits_dev = work_dev = None  # every row is sampled; no prefill attention
     else:
         assert pad_to is None, "only decode batches are padded to a batch size"
-        input_ids_dev, positions_dev, slots_dev, ctx_dev, tables_dev, qsl_dev, logits_dev = upload(
-            input_ids, positions, slots, num_tokens.astype(np.int64), tables, query_start_loc, logits_indices)
+        input_ids_dev, positions_dev, slots_dev, ctx_dev, tables_dev, qsl_dev, logits_dev, work_dev = upload(
+            input_ids, positions, slots, num_tokens.astype(np.int64), tables, query_start_loc, logits_indices, work)
     return ModelInputs(
         input_ids=input_ids_dev, positions=positions_dev,
         meta=AttentionMetadata(slot_mapping=slots_dev, block_tables=tables_dev, context_lens=ctx_dev,
                                query_start_loc=qsl_dev, max_query_len=int(query_lens.max()),
                                max_context_len=int(num_tokens.max()),
-                               any_single_query=bool((query_lens == 1).any())),
+                               any_single_query=bool((query_lens == 1).any()), prefill_work=work_dev),
         logits_indices=logits_dev, decode_rows=decode_rows, token_rows=token_rows,
     )
 
@@ -204,8 +209,10 @@ class ModelRunner:
         if batch.is_decode:
             pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None else None
         elif self.mixed_graphs is not None:
-            size = self.mixed_graphs.padded_size(int(query_lens.sum()), len(reqs))
-            pad_mixed = (size, self.mixed_graphs.num_seqs(size)) if size is not None else None
+            work_items = num_work_items(query_lens)
+            size = self.mixed_graphs.padded_size(int(query_lens.sum()), len(reqs), work_items)
+            pad_mixed = None if size is None else (size, self.mixed_graphs.num_seqs(size),
+                                                   self.mixed_graphs.work_capacity(size))
         inputs = build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
                               self.block_size, self.upload, pad_to, sample, pad_mixed)
         if pending is not None:

@@ -3,37 +3,60 @@ new queries attend to its whole context (cached prefix blocks included) read thr
 table, which is what prefix caching and chunked prefill need. The reference is
 paged_attention_ref (paged_attention.py).
 
+The grid runs over a work list, one item per (sequence, block of BLOCK_M queries), built on the
+host (prefill_work) and padded with -1 to a fixed capacity in CUDA graphs. A grid over every
+(sequence slot, query block) instead had mostly empty programs in mixed-step graphs (slots of
+decodes, which the decode kernel takes, and of padding), and empty programs are not free: on the
+H200, 98k of them per layer added about 2.5 ms to a 144-token prefill.
+
 Split-K over the keys, for steps with few queries over long contexts (a prompt whose long
-prefix is cached, a late chunk of a long prompt): one program per (sequence, head, query block)
-would leave the GPU nearly idle (12 programs for 40 new tokens over 2,083 cached: 127 us per
-layer on an H200). The number of splits depends on the step's shape alone (heads and query
-blocks, never the contexts), so a CUDA graph serves any context. Each query block cuts its causal
-key range into slices of whole key tiles (at least MIN_PART keys); a block whose range fits one
+prefix is cached, a late chunk of a long prompt): one program per (work item, head) would leave
+the GPU nearly idle (12 programs for 40 new tokens over 2,083 cached: 127 us per layer on an
+H200). The number of splits depends on the step's shape alone (token count, work capacity),
+never the contexts, so a CUDA graph serves any context. Each query block cuts its causal key
+range into slices of whole key tiles (at least MIN_PART keys); a block whose range fits one
 slice writes the output directly, the others write partial softmaxes that a second kernel
 merges. Big steps (enough query blocks to fill the GPU) use one split: the plain kernel."""
+import numpy as np
 import torch
 
 from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
+BLOCK_M = 64  # queries per work item
 TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
 MAX_SPLITS = 16
-# The grid has a program per (sequence slot, head, query block, split), most of which exit at once
-# in a mixed-step graph (slots of decodes and padding). Empty programs are not free: on the H200,
-# 98k of them (the 256-token graph with 8 splits) added about 2.5 ms to a 144-token prefill, while
-# 12k (the 64-token graph with 16 splits) cut a warm prefix hit's attention from 127 to 68 us
-# per layer. Splits are only used while the grid stays within this many programs.
-MAX_PROGRAMS = 12288
+MAX_PROGRAMS = 12288  # splits only while the grid stays this small (measured: 12k programs for a warm hit)
 
 
-def num_splits(num_heads: int, max_query_len: int, block_m: int, batch: int = 1) -> int:
-    """Key splits per (sequence, head, query block): a power of two giving about TARGET_PROGRAMS
-    programs for one sequence of max_query_len queries, within MAX_PROGRAMS for the whole grid
-    of `batch` sequence slots."""
+def num_splits(num_heads: int, max_query_len: int, block_m: int, work_items: int = 1) -> int:
+    """Key splits per work item: a power of two giving about TARGET_PROGRAMS programs for one
+    sequence of max_query_len queries, within MAX_PROGRAMS for the grid of work_items items."""
     blocks = num_heads * -(-max_query_len // block_m)
     want = min(MAX_SPLITS, next_pow2(-(-TARGET_PROGRAMS // blocks)))
-    room = MAX_PROGRAMS // (batch * blocks)
+    room = MAX_PROGRAMS // (num_heads * work_items)
     return max(1, min(want, 1 << max(0, room.bit_length() - 1)))
+
+
+def num_work_items(query_lens: np.ndarray, block_m: int = BLOCK_M) -> int:
+    """Items of prefill_work(query_lens, block_m), without building it."""
+    return int((-(-query_lens[query_lens > 1] // block_m)).sum())
+
+
+def prefill_work(query_lens, block_m: int = BLOCK_M, capacity: int | None = None,
+                 include_single: bool = False) -> np.ndarray:
+    """The work list: b << 16 | query block, for each block of block_m queries of each sequence
+    b with at least two queries (or one, with include_single: single-query sequences are
+    otherwise the decode kernel's), padded with -1 to `capacity`."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    seqs = np.flatnonzero(q >= (1 if include_single else 2))
+    blocks = -(-q[seqs] // block_m)
+    first = np.repeat(np.cumsum(blocks) - blocks, blocks)  # each item's sequence's first item
+    items = (np.repeat(seqs, blocks) << 16) | (np.arange(len(first)) - first)
+    if capacity is None:
+        return items
+    assert len(items) <= capacity, (len(items), capacity)
+    return np.concatenate([items, np.full(capacity - len(items), -1, dtype=np.int64)])
 
 
 @triton.jit
@@ -52,24 +75,22 @@ def _query_block(query_start_loc, context_lens, b, mblk, SPLITS: tl.constexpr, B
 
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _prefill_kernel(
-    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml,
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
     s_qt, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw, s_ot, s_oh,
     s_at, s_ah, s_as, s_mt, s_mh,
     scale, block_size, head_dim, group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    SKIP_SINGLE: tl.constexpr, SPLITS: tl.constexpr, MIN_PART: tl.constexpr,
+    SPLITS: tl.constexpr, MIN_PART: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    item = tl.load(work + tl.program_id(0))
+    if item < 0:  # padding
+        return
+    b = item >> 16
+    mblk = item & 0xFFFF
     h = tl.program_id(1)
-    mblk = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    split = tl.program_id(2)
     q_start, q_len, prefix, end, part = _query_block(query_start_loc, context_lens, b, mblk, SPLITS, BLOCK_M,
                                                      BLOCK_N, MIN_PART)
-    if mblk * BLOCK_M >= q_len:
-        return
-    if SKIP_SINGLE:  # single-query sequences are the decode kernel's (GQA-grouped, split-K)
-        if q_len == 1:
-            return
     start = split * part
     if start >= end:
         return
@@ -101,20 +122,18 @@ def _prefill_kernel(
 
 @triton.jit
 def _prefill_merge_kernel(
-    context_lens, query_start_loc, out, part_acc, part_ml, s_ot, s_oh, s_at, s_ah, s_as, s_mt, s_mh, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SKIP_SINGLE: tl.constexpr,
-    SPLITS: tl.constexpr, MIN_PART: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    context_lens, query_start_loc, work, out, part_acc, part_ml, s_ot, s_oh, s_at, s_ah, s_as, s_mt, s_mh, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    MIN_PART: tl.constexpr, MERGE_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    item = tl.load(work + tl.program_id(0))
+    if item < 0:
+        return
+    b = item >> 16
+    mblk = item & 0xFFFF
     h = tl.program_id(1)
-    mblk = tl.program_id(2)
     q_start, q_len, prefix, end, part = _query_block(query_start_loc, context_lens, b, mblk, SPLITS, BLOCK_M,
                                                      BLOCK_N, MIN_PART)
-    if mblk * BLOCK_M >= q_len:
-        return
-    if SKIP_SINGLE:
-        if q_len == 1:
-            return
     if part >= end:  # written by the partition kernel
         return
     d = tl.arange(0, BLOCK_D)
@@ -145,15 +164,23 @@ def _prefill_merge_kernel(
 def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, context_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                             block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
-                             skip_single: bool = False, splits: int | None = None) -> torch.Tensor:
-    """query: [num_tokens, num_heads, head_dim] -> same shape. skip_single leaves the rows of
-    single-query sequences of `out` to the decode kernel. splits: key splits, a power of two
-    (num_splits() unless given)."""
+                             block_m: int = BLOCK_M, block_n: int = 64, out: torch.Tensor | None = None,
+                             skip_single: bool = False, splits: int | None = None,
+                             work: torch.Tensor | None = None) -> torch.Tensor:
+    """query: [num_tokens, num_heads, head_dim] -> same shape. work: the work list
+    (prefill_work(..., block_m), on the device); without it, it is built from query_start_loc
+    (a device-to-host copy), leaving out the single-query sequences when skip_single (their rows
+    of `out` are the decode kernel's). splits: key splits, a power of two (num_splits() unless
+    given)."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    splits = splits or num_splits(num_heads, max_query_len, block_m, block_tables.shape[0])
+    if work is None:
+        lens = query_start_loc.diff().cpu().numpy()
+        work = torch.from_numpy(prefill_work(lens, block_m, include_single=not skip_single)).to(query.device)
+    if work.numel() == 0:
+        return out
+    splits = splits or num_splits(num_heads, max_query_len, block_m, work.numel())
     if splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
         part_ml = torch.empty((num_tokens, num_heads, 2 * splits), dtype=torch.float32, device=query.device)
@@ -161,19 +188,16 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     else:  # never touched: every query block fits one split
         part_acc = part_ml = out
         part_strides = (0,) * 5
-    batch = block_tables.shape[0]
-    mblocks = triton.cdiv(max_query_len, block_m)
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SKIP_SINGLE=skip_single,
-                  SPLITS=splits, MIN_PART=2 * block_n)
-    _prefill_kernel[(batch, num_heads, mblocks * splits)](
-        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, part_acc, part_ml,
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SPLITS=splits, MIN_PART=2 * block_n)
+    _prefill_kernel[(work.numel(), num_heads, splits)](
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
         *part_strides, scale, k_cache.shape[1], head_dim, num_heads // k_cache.shape[2],
         PRECISION=dot_precision(query.dtype), **consts,
     )
     if splits > 1:
-        _prefill_merge_kernel[(batch, num_heads, mblocks)](
-            context_lens, query_start_loc, out, part_acc, part_ml, out.stride(0), out.stride(1), *part_strides,
+        _prefill_merge_kernel[(work.numel(), num_heads)](
+            context_lens, query_start_loc, work, out, part_acc, part_ml, out.stride(0), out.stride(1), *part_strides,
             head_dim, MERGE_ROWS=min(16, block_m), **consts,
         )
     return out

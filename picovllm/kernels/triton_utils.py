@@ -28,11 +28,13 @@ except ImportError:  # pragma: no cover - exercised on installs without Triton
 
 
 ENABLED = os.environ.get("PICOVLLM_DISABLE_TRITON", "") in ("", "0")  # tests compare both paths on CUDA
+# Tests set this (with TRITON_INTERPRET=1) to run the whole engine's Triton path on CPU tensors.
+ON_CPU = False
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """The Triton path serves CUDA tensors; everything else takes the PyTorch reference."""
-    return ENABLED and HAS_TRITON and x.is_cuda
+    return ENABLED and HAS_TRITON and (x.is_cuda or ON_CPU)
 
 
 def next_pow2(n: int) -> int:

@@ -24,6 +24,8 @@ class AttentionMetadata(NamedTuple):
     a CUDA graph of decode passes 1 and max_model_len).
     any_single_query: whether some sequence computes exactly one token (mixed steps send those
     to the decode kernel).
+    prefill_work: the prefill kernel's work list (kernels/prefill_attention.prefill_work: the
+    query blocks of the sequences with several queries, padded with -1 in CUDA graphs).
     """
 
     slot_mapping: torch.Tensor
@@ -34,6 +36,7 @@ class AttentionMetadata(NamedTuple):
     max_context_len: int
     plan: AttentionPlan | None = None  # the reference path's, derived once per forward by prepare()
     any_single_query: bool = True  # some sequence has exactly one query (host-side; graphs: assume so)
+    prefill_work: torch.Tensor | None = None  # None: the kernel builds it (a device-to-host copy)
 
 
 class PagedAttention(nn.Module):
@@ -73,4 +76,4 @@ class PagedAttention(nn.Module):
                                     query_start_loc=meta.query_start_loc, out=out)
         return prefill_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                         meta.query_start_loc, self.scale, meta.max_query_len, out=out,
-                                        skip_single=meta.any_single_query)
+                                        skip_single=meta.any_single_query, work=meta.prefill_work)
