@@ -172,10 +172,12 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
-            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                        or not 0 <= t < self.model_config.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad!r} is out of range [0, {self.model_config.vocab_size})")
+            vocab = self.model_config.vocab_size
+            # the common case checked in C (set, map, min, max: ~10x faster than a Python loop over
+            # a 2,000-token prompt), the first offender found only when there is one
+            if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+                bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
+                raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         if not ids:
