@@ -48,7 +48,9 @@ for stage in $STAGES; do
           | tee "$OUT/throughput.log" ;;
     prefix)
       echo "== prefix caching =="
-      bench prefix --model "$MODEL" 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log" ;;
+      bench prefix --model "$MODEL" 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log"
+      echo "-- where a warm hit's GPU time goes (scenario b) --"
+      python3 benchmarks/profile_decode.py prefix 2>&1 | grep -E "^warm|us/step" | head -12 | tee "$OUT/prefix_profile.log" ;;
     serve)
       echo "== serving (and the offline decode step at the same batch size, for its ITL) =="
       bench latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
