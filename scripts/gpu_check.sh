@@ -57,9 +57,12 @@ for stage in $STAGES; do
           | grep -v "it/s\]" | tee "$OUT/offline64.log"
       bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log"
-      for budget in 512 256; do  # smaller step budgets: prompt chunks stall the streams less
-        bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 \
-            --max-num-batched-tokens $budget 2>&1 | grep -v "it/s\]" | tee "$OUT/serve_b$budget.log" | grep -E "ITL|TTFT"
+      # smaller step budgets (prompt chunks stall the streams less); graphs for bigger mixed steps
+      for opts in "--max-num-batched-tokens 512" "--max-num-batched-tokens 256" "--mixed-graph-tokens 2048"; do
+        name=$(echo "$opts" | tr -dc '0-9')
+        name=serve_$([ "${opts#--mixed}" != "$opts" ] && echo g || echo b)$name
+        bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 $opts \
+            2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT"
       done ;;
     ab)
       echo "== the defaults against the engine with async scheduling and mixed-step graphs off =="
@@ -82,7 +85,7 @@ echo "== summary =="
 python3 - "$OUT" <<'PY'
 import json, os, sys
 names = ["latency_graphs.log", "hf.log", "offline64.log", "throughput.log", "prefix.log", "serve.log"]
-names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith(("serve_b", "ab_")))
+names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith(("serve_b", "serve_g", "ab_")))
 for name in names:
     path = os.path.join(sys.argv[1], name)
     if not os.path.exists(path):
