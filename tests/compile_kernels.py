@@ -36,7 +36,10 @@ def main(dt: str) -> None:
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
         *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=8,
-                                   BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile)) for one_tile in (False, True)],
+                                   BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile, DOT=False, PRECISION=precision))
+          for one_tile in (False, True)],
+        (gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=64,
+                                 BLOCK_N=32, BLOCK_K=128, ONE_TILE=False, DOT=True, PRECISION=precision)),
     ]
     for fn, constexprs in kernels:
         assert "ptx" in compile_sm90(fn, ptrs, constexprs).asm

@@ -223,10 +223,11 @@ def _all_kernels() -> set[str]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
 @pytest.mark.parametrize("fusion", ["plain", "norm+bias", "residual", "norm+silu_mul"])
 def test_gemv_with_fused_norm_bias_activation_residual(dtype, rows, fusion):
-    """Odd N and K (tiles cross both edges), a strided input, each fusion the model uses."""
+    """Odd N and K (tiles cross both edges), a strided input, each fusion the model uses; the
+    CUDA-core tiles given here, then the default tiles (tensor cores from two rows on)."""
     g = torch.Generator().manual_seed(rows)
     n, k = 75, 200
     x = (torch.randn(rows, 2 * k, generator=g) * 3).to(dtype).to(DEV)[:, ::2]  # column stride 2
@@ -245,26 +246,35 @@ def test_gemv_with_fused_norm_bias_activation_residual(dtype, rows, fusion):
     assert out.shape == (rows, n)
     _close(out, ref, dtype)
     _close(gemv_triton(x, w, **kwargs), ref, dtype)  # the default tiles
+    one_tile_dot = dict(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=16, BLOCK_K=256, DOT=True)  # K fits one tile
+    _close(gemv_triton(x, w, **kwargs, config=one_tile_dot), ref, dtype)
 
 
 def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch):
     """The whole engine on the Triton path, on CPU tensors in Triton's interpreter: chunked
     prompts mixed with decodes (a 32-token budget), so mixed steps send single-query sequences
-    to the decode kernel and the prefill kernel takes work lists; GEMV at batch 1 at the end.
-    Greedy tokens equal the PyTorch reference path's (fp32). On a GPU, tests/test_cuda.py
-    compares the two at Qwen2.5-1.5B's shapes."""
+    to the decode kernel and the prefill kernel takes work lists; the fused GEMV at one row
+    (the default) and at up to 64 rows (tensor cores, PICOVLLM_GEMV_MAX_ROWS=64). Greedy tokens
+    equal the PyTorch reference path's (fp32). On a GPU, tests/test_cuda.py compares the two at
+    Qwen2.5-1.5B's shapes."""
     from conftest import TEST_DEVICE, make_llm
 
     from picovllm import SamplingParams
     from picovllm.kernels import triton_utils
+    from picovllm.model.layers import linear
 
     if TEST_DEVICE != "cpu":
         pytest.skip("the interpreter runs on CPU tensors")
     prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + n))} for i, n in enumerate([5, 37, 2, 20])]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 4, 2, 8)]
-    outputs = {}
-    for on in (True, False):
-        monkeypatch.setattr(triton_utils, "ON_CPU", on)
+
+    def greedy():
         llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=4)
-        outputs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert outputs[True] == outputs[False] and [len(t) for t in outputs[True]] == [3, 4, 2, 8]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    reference = greedy()
+    assert [len(t) for t in reference] == [3, 4, 2, 8]
+    monkeypatch.setattr(triton_utils, "ON_CPU", True)
+    for gemv_rows in (1, 64):
+        monkeypatch.setattr(linear, "GEMV_MAX_ROWS", gemv_rows)
+        assert greedy() == reference, gemv_rows

@@ -11,9 +11,10 @@ weight once, with the layer's neighbours fused in:
 
 Rounding follows the unfused reference step by step (fused_linear_ref): the normed input is
 rounded to the model dtype, as are the linear output, the SiLU output and the residual sum.
-On the H200 at one row this beats cuBLAS plus the separate norm / activation / add kernels on
-every projection of Qwen2.5-1.5B; at eight rows the CUDA-core reduction loses to cuBLAS's tensor
-cores (benchmarks/README.md), so the model uses it at one row.
+At one row the products are reduced on CUDA cores; on the H200 this beats cuBLAS plus the
+separate norm / activation / add kernels on every projection of Qwen2.5-1.5B. At eight rows that
+reduction lost 4x to cuBLAS's tensor cores (benchmarks/README.md); from two rows on the kernel
+therefore multiplies on tensor cores (tl.dot, rows padded to 16), not yet measured on the GPU.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import torch.nn.functional as F
 
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
-from picovllm.kernels.triton_utils import next_pow2, tl, triton
+from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
-MAX_ROWS = 8  # the kernel's limit; model/layers/linear.py uses it where it beats cuBLAS
+MAX_ROWS = 64  # the kernel's limit; model/layers/linear.py uses it where it beats cuBLAS
 
 
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -49,11 +50,22 @@ def _normed(xv, rstd, norm_weight, k, kmask, dt):
 
 
 @triton.jit
+def _rows_times_tile(xv, w, dt, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """[M, K] rows times an [N, K] weight tile, transposed: [M, N] in fp32. DOT: on tensor cores
+    (tl.dot; M, N, K >= 16); otherwise a broadcast product reduced on CUDA cores."""
+    if DOT:
+        return tl.dot(xv.to(dt), tl.trans(w.to(dt)), input_precision=PRECISION)
+    else:
+        return tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
 def _gemv_kernel(
     x, weight, bias, norm_weight, residual, out,
     M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     dt = out.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,9 +86,9 @@ def _gemv_kernel(
         if HAS_NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / K + eps)
             xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
-        acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += _rows_times_tile(xv, w, dt, DOT, PRECISION)
         if SILU_MUL:
-            acc_up += tl.sum(xv[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
+            acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
     else:
         if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
@@ -90,16 +102,15 @@ def _gemv_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             wmask = nmask[:, None] & kmask[None, :]
-            w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0).to(tl.float32)
+            w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
             xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
                          other=0.0).to(tl.float32)
             if HAS_NORM:
                 xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
-            acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+            acc += _rows_times_tile(xv, w, dt, DOT, PRECISION)
             if SILU_MUL:
-                wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask,
-                             other=0.0).to(tl.float32)
-                acc_up += tl.sum(xv[:, None, :] * wu[None, :, :], axis=2)
+                wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+                acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
@@ -115,13 +126,15 @@ def _gemv_kernel(
 
 
 def gemv_config(rows: int, n: int, k: int) -> dict:
-    """Tile sizes from a sweep on the H200 at one row (benchmarks/README.md): wide K tiles (2048)
-    and 2 output rows per program (over 700 programs for every projection of Qwen2.5-1.5B);
-    8 rows for the LM head. At most 16K products in registers."""
-    block_m = next_pow2(rows)
+    """One row: tiles from a sweep on the H200 (benchmarks/README.md): wide K tiles (2048) and 2
+    output rows per program (over 700 programs for every projection of Qwen2.5-1.5B); 8 for the
+    LM head; at most 16K products in registers. Several rows: tensor cores (tl.dot, rows padded
+    to 16 or more), 32 x 128 weight tiles: not yet swept (benchmarks/gemv_sweep.py)."""
+    if rows > 1:
+        return dict(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=32, BLOCK_K=128, DOT=True)
     block_n = 8 if n >= 65536 else 2
-    block_k = max(16, min(2048, next_pow2(k), 16384 // (block_m * block_n)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    block_k = max(16, min(2048, next_pow2(k), 16384 // block_n))
+    return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, DOT=False)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -133,13 +146,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert not (silu_mul and bias is not None), "a fused gate_up has no bias"
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    cfg = config or gemv_config(rows, n, k)
+    cfg = {"DOT": False, **(config or gemv_config(rows, n, k))}
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
         res, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         res.stride(0), out.stride(0), n, eps,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], num_warps=num_warps, **cfg,
+        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], PRECISION=dot_precision(x.dtype), num_warps=num_warps, **cfg,
     )
     return out

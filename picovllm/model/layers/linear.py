@@ -5,7 +5,8 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
-is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other.
+is one GEMV kernel (kernels/gemv.py; up to GEMV_MAX_ROWS rows); otherwise the ops run one after
+the other.
 """
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
-from picovllm.kernels.gemv import gemv_triton
+from picovllm.kernels.gemv import MAX_ROWS, gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
 
 GEMV_ENABLED = os.environ.get("PICOVLLM_DISABLE_GEMV", "") in ("", "0")  # for before/after benchmarks
-# Rows up to which the fused GEMV replaces cuBLAS: on the H200 it wins at one row, and loses at
-# eight (it reduces with CUDA cores; benchmarks/README.md)
-GEMV_MAX_ROWS = 1
+# Rows up to which the fused GEMV replaces cuBLAS plus the separate norm / SiLU*mul / add kernels.
+# On the H200 the one-row version wins; the CUDA-core version lost 4x at eight rows; the
+# tensor-core version (two rows and more) is not measured yet: PICOVLLM_GEMV_MAX_ROWS=64 turns it
+# on for the A/B (benchmarks/README.md).
+GEMV_MAX_ROWS = min(int(os.environ.get("PICOVLLM_GEMV_MAX_ROWS", "1")), MAX_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: nn.Module | None = None,
