@@ -2,8 +2,9 @@
 
 Concurrency-limited clients (and optionally Poisson arrivals at a request rate), spread over a few
 client processes, send random-token prompts to /v1/completions with stream=true and ignore_eos;
-every SSE chunk carries one step's token. Reports request and token throughput, TTFT, TPOT (per output token after the first) and
-ITL (between chunks): mean, p50, p90, p99; saves the raw per-request timings and a plot.
+every SSE chunk carries one step's token. Reports request and token throughput, TTFT, TPOT (per
+output token after the first) and ITL (between chunks): mean, p50, p90, p99; saves the raw
+per-request timings and a plot.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ buffers with two device copies, and the graph replays; larger batches run eagerl
 
 Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: one graph
 per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
-max_num_seqs) sequences. Padding tokens belong to no sequence (slot -1, never attended to, their
+max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens. Padding tokens belong to no sequence (slot -1, never attended to, their
 rows are never sampled); padding sequences have no tokens and no context. A step with prompt
 tokens runs eagerly otherwise, paying one launch per op (about 12 ms per forward of Qwen2.5-1.5B
 on an H200, whatever the length: benchmarks/README.md).
@@ -15,7 +15,7 @@ on an H200, whatever the length: benchmarks/README.md).
 Inside a graph nothing may allocate new memory outside the pool, sync with the host, or depend on
 data for control flow: the decode attention's grid depends on the batch size alone (each sequence
 cuts its own context into that many splits) and max_query_len = 1; the prefill attention's grid
-covers the graph's token count, and programs past their sequence's queries exit at once.
+is its work list, padded to the graph's capacity with items that exit at once.
 """
 from __future__ import annotations
 

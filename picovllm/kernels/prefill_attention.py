@@ -38,19 +38,24 @@ def num_splits(num_heads: int, max_query_len: int, block_m: int, work_items: int
     return max(1, min(want, 1 << max(0, room.bit_length() - 1)))
 
 
+def _query_blocks(query_lens, block_m: int, include_single: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences the prefill kernel takes (at least two queries; or one, with include_single:
+    single-query sequences are otherwise the decode kernel's) and their numbers of query blocks."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    seqs = np.flatnonzero(q >= (1 if include_single else 2))
+    return seqs, -(-q[seqs] // block_m)
+
+
 def num_work_items(query_lens: np.ndarray, block_m: int = BLOCK_M) -> int:
     """Items of prefill_work(query_lens, block_m), without building it."""
-    return int((-(-query_lens[query_lens > 1] // block_m)).sum())
+    return int(_query_blocks(query_lens, block_m, False)[1].sum())
 
 
 def prefill_work(query_lens, block_m: int = BLOCK_M, capacity: int | None = None,
                  include_single: bool = False) -> np.ndarray:
     """The work list: b << 16 | query block, for each block of block_m queries of each sequence
-    b with at least two queries (or one, with include_single: single-query sequences are
-    otherwise the decode kernel's), padded with -1 to `capacity`."""
-    q = np.asarray(query_lens, dtype=np.int64)
-    seqs = np.flatnonzero(q >= (1 if include_single else 2))
-    blocks = -(-q[seqs] // block_m)
+    b the kernel takes (_query_blocks), padded with -1 to `capacity`."""
+    seqs, blocks = _query_blocks(query_lens, block_m, include_single)
     first = np.repeat(np.cumsum(blocks) - blocks, blocks)  # each item's sequence's first item
     items = (np.repeat(seqs, blocks) << 16) | (np.arange(len(first)) - first)
     if capacity is None:
