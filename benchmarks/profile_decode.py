@@ -5,7 +5,8 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
        PYTHONPATH=. python benchmarks/profile_decode.py prefix [CACHED] [NEW]
          the warm request of `picovllm bench prefix` scenario b: a prompt whose first CACHED
          tokens (default 2083) are in the prefix cache and NEW (default 40) are not, with the
-         default engine (graphs); prints its wall time (TTFT) next to the GPU kernel time."""
+         default engine (graphs); prints its wall time (TTFT) next to the GPU kernel time.
+         `prefix 0 2123`: the same prompt's cold prefill."""
 import sys
 import time
 
@@ -46,7 +47,8 @@ def warm_prefill(cached: int = 2083, new: int = 40) -> None:
     llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.5)
     prefix = [100 + i % 1000 for i in range(cached)]
     one = SamplingParams(max_tokens=1)
-    llm.generate({"prompt_token_ids": prefix}, one, use_tqdm=False)
+    if cached:
+        llm.generate({"prompt_token_ids": prefix}, one, use_tqdm=False)
     queries = [{"prompt_token_ids": prefix + [2000 + 7 * q + i for i in range(new)]} for q in range(2 * STEPS)]
     for q in queries[:STEPS]:  # warm-up (kernel compilation)
         llm.generate(q, one, use_tqdm=False)
@@ -58,7 +60,7 @@ def warm_prefill(cached: int = 2083, new: int = 40) -> None:
             assert out.num_cached_tokens == cached // 16 * 16, out.num_cached_tokens
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / STEPS
-    print(f"warm prefill, {cached} cached + {new} new tokens: wall {wall * 1e3:.2f} ms per request (profiled)")
+    print(f"{'warm' if cached else 'cold'} prefill, {cached} cached + {new} new tokens: wall {wall * 1e3:.2f} ms per request (profiled)")
     report(prof, STEPS, "warm prefill")
 
 

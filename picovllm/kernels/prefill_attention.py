@@ -26,6 +26,7 @@ from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 BLOCK_M = 64  # queries per work item
 TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
 MAX_SPLITS = 16
+MERGE_ROWS = 8  # query rows per merge program
 MAX_PROGRAMS = 12288  # splits only while the grid stays this small (measured: 12k programs for a warm hit)
 
 
@@ -137,33 +138,33 @@ def _prefill_merge_kernel(
     b = item >> 16
     mblk = item & 0xFFFF
     h = tl.program_id(1)
+    r0 = tl.program_id(2) * MERGE_ROWS  # a few rows per program: [SPLITS x BLOCK_M x D] would spill, and a
     q_start, q_len, prefix, end, part = _query_block(query_start_loc, context_lens, b, mblk, SPLITS, BLOCK_M,
-                                                     BLOCK_N, MIN_PART)
-    if part >= end:  # written by the partition kernel
+                                                     BLOCK_N, MIN_PART)  # loop over row groups serialises loads
+    if part >= end or mblk * BLOCK_M + r0 >= q_len:  # written by the partition kernel, or no rows here
         return
     d = tl.arange(0, BLOCK_D)
     dmask = d < head_dim
-    for r0 in tl.static_range(0, BLOCK_M, MERGE_ROWS):  # a few rows at a time: [SPLITS x BLOCK_M x D] would spill
-        m = mblk * BLOCK_M + r0 + tl.arange(0, MERGE_ROWS)
-        mmask = m < q_len
-        rows = q_start + m
-        big_m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
-        big_l = tl.zeros([MERGE_ROWS], tl.float32)
-        acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
-        for s in tl.static_range(SPLITS):
-            seen = mmask & (s * part <= prefix + m)  # the split holds keys for this row (queries precede `end`)
-            m_s = tl.load(part_ml + rows * s_mt + h * s_mh + 2 * s, mask=seen, other=float("-inf"))
-            l_s = tl.load(part_ml + rows * s_mt + h * s_mh + 2 * s + 1, mask=seen, other=0.0)
-            a_s = tl.load(part_acc + rows[:, None] * s_at + h * s_ah + s * s_as + d[None, :],
-                          mask=seen[:, None] & dmask[None, :], other=0.0)
-            new_m = tl.maximum(big_m, m_s)
-            alpha = tl.where(big_m == float("-inf"), 0.0, tl.exp(big_m - new_m))
-            beta = tl.where(seen, tl.exp(m_s - new_m), 0.0)
-            big_l = big_l * alpha + l_s * beta
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
-            big_m = new_m
-        tl.store(out + rows[:, None] * s_ot + h * s_oh + d[None, :], (acc / big_l[:, None]).to(out.dtype.element_ty),
-                 mask=mmask[:, None] & dmask[None, :])
+    m = mblk * BLOCK_M + r0 + tl.arange(0, MERGE_ROWS)
+    mmask = m < q_len
+    rows = q_start + m
+    big_m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
+    big_l = tl.zeros([MERGE_ROWS], tl.float32)
+    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
+    for s in tl.static_range(SPLITS):
+        seen = mmask & (s * part <= prefix + m)  # the split holds keys for this row (queries precede `end`)
+        m_s = tl.load(part_ml + rows * s_mt + h * s_mh + 2 * s, mask=seen, other=float("-inf"))
+        l_s = tl.load(part_ml + rows * s_mt + h * s_mh + 2 * s + 1, mask=seen, other=0.0)
+        a_s = tl.load(part_acc + rows[:, None] * s_at + h * s_ah + s * s_as + d[None, :],
+                      mask=seen[:, None] & dmask[None, :], other=0.0)
+        new_m = tl.maximum(big_m, m_s)
+        alpha = tl.where(big_m == float("-inf"), 0.0, tl.exp(big_m - new_m))
+        beta = tl.where(seen, tl.exp(m_s - new_m), 0.0)
+        big_l = big_l * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        big_m = new_m
+    tl.store(out + rows[:, None] * s_ot + h * s_oh + d[None, :], (acc / big_l[:, None]).to(out.dtype.element_ty),
+             mask=mmask[:, None] & dmask[None, :])
 
 
 def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -201,8 +202,9 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         PRECISION=dot_precision(query.dtype), **consts,
     )
     if splits > 1:
-        _prefill_merge_kernel[(work.numel(), num_heads)](
+        merge_rows = min(MERGE_ROWS, block_m)
+        _prefill_merge_kernel[(work.numel(), num_heads, block_m // merge_rows)](
             context_lens, query_start_loc, work, out, part_acc, part_ml, out.stride(0), out.stride(1), *part_strides,
-            head_dim, MERGE_ROWS=min(16, block_m), **consts,
+            head_dim, MERGE_ROWS=merge_rows, **consts,
         )
     return out
