@@ -6,7 +6,10 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
          the warm request of `picovllm bench prefix` scenario b: a prompt whose first CACHED
          tokens (default 2083) are in the prefix cache and NEW (default 40) are not, with the
          default engine (graphs); prints its wall time (TTFT) next to the GPU kernel time.
-         `prefix 0 2123`: the same prompt's cold prefill."""
+         `prefix 0 2123`: the same prompt's cold prefill;
+       PYTHONPATH=. python benchmarks/profile_decode.py mixed [BATCH] [NEW]
+         a serving step: BATCH (default 64) decodes plus a NEW-token prompt (default 448) in every
+         step, with the default engine (mixed-step graphs); prints the wall time per step."""
 import sys
 import time
 
@@ -64,8 +67,39 @@ def warm_prefill(cached: int = 2083, new: int = 40) -> None:
     report(prof, STEPS, "warm prefill")
 
 
+def mixed(batch: int = 64, new: int = 448) -> None:
+    llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    for i in range(batch):
+        engine.add_request(f"d{i}", list(range(100, 612)), SamplingParams(max_tokens=1000, ignore_eos=True))
+    one = SamplingParams(max_tokens=1)
+    steps = [0]
+
+    def step():  # one new prompt per step; it leaves once its first token is sampled
+        engine.add_request(f"p{steps[0]}", [1000 + (steps[0] * 7 + i) % 5000 for i in range(new)], one)
+        steps[0] += 1
+        engine.step()
+
+    for _ in range(40):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    torch.cuda.synchronize()
+    print(f"mixed step, {batch} decodes + {new} prompt tokens: wall {(time.perf_counter() - start) / STEPS * 1e3:.2f} "
+          f"ms per step (not profiled)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            step()
+        torch.cuda.synchronize()
+    report(prof, STEPS, "mixed step")
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "prefix":
         warm_prefill(*(int(a) for a in sys.argv[2:4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "mixed":
+        mixed(*(int(a) for a in sys.argv[2:4]))
     else:
         decode(int(sys.argv[1]) if len(sys.argv) > 1 else 1, len(sys.argv) < 3 or sys.argv[2] != "graphs")

@@ -172,12 +172,12 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
                              query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                              block_m: int = BLOCK_M, block_n: int = 64, out: torch.Tensor | None = None,
                              skip_single: bool = False, splits: int | None = None,
-                             work: torch.Tensor | None = None) -> torch.Tensor:
+                             work: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> same shape. work: the work list
     (prefill_work(..., block_m), on the device); without it, it is built from query_start_loc
     (a device-to-host copy), leaving out the single-query sequences when skip_single (their rows
     of `out` are the decode kernel's). splits: key splits, a power of two (num_splits() unless
-    given)."""
+    given). num_warps, num_stages: the partition kernel's launch options."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -199,7 +199,7 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
         *part_strides, scale, k_cache.shape[1], head_dim, num_heads // k_cache.shape[2],
-        PRECISION=dot_precision(query.dtype), **consts,
+        PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages, **consts,
     )
     if splits > 1:
         merge_rows = min(MERGE_ROWS, block_m)

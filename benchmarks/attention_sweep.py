@@ -1,0 +1,56 @@
+"""The prefill attention kernel (kernels/prefill_attention.py) on Qwen2.5-1.5B's attention shapes
+(12 query heads, 2 KV heads, head_dim 128, block size 16, bf16) over a sweep of tiles and launch
+options; each timing is 20 calls replayed from a CUDA graph (GPU only). Cases: the cold prefill of
+`picovllm bench prefix` scenario b (2,123 tokens), its warm hit (40 new tokens over 2,083 cached),
+and a serving chunk (448 tokens over 64 cached). "reversed": the work list longest-first.
+
+Usage: PYTHONPATH=. python benchmarks/attention_sweep.py"""
+import itertools
+
+import torch
+
+from benchmarks.gemv_sweep import bench
+from picovllm.kernels.prefill_attention import prefill_attention_triton, prefill_work
+
+HEADS, KV_HEADS, DIM, BLOCK_SIZE = 12, 2, 128, 16
+CASES = {"cold 2123": (2123, 0), "warm 40/2083": (40, 2083), "chunk 448/64": (448, 64)}
+DEFAULT = (64, 64, 4, 3)  # BLOCK_M, BLOCK_N, warps, stages
+
+
+def inputs(new: int, cached: int):
+    ctx = new + cached
+    blocks = -(-ctx // BLOCK_SIZE)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(blocks + 5, BLOCK_SIZE, KV_HEADS, DIM, **bf16)
+    v_cache = torch.randn(blocks + 5, BLOCK_SIZE, KV_HEADS, DIM, **bf16)
+    tables = torch.randperm(blocks + 5, device="cuda")[:blocks].view(1, -1).to(torch.int32)
+    query = torch.randn(new, HEADS, DIM, **bf16)
+    return query, k_cache, v_cache, tables, torch.tensor([ctx], device="cuda"), torch.tensor([0, new], device="cuda")
+
+
+def main() -> None:
+    for name, (new, cached) in CASES.items():
+        query, kc, vc, tables, ctx, qsl = inputs(new, cached)
+        flops = 4 * HEADS * DIM * sum(cached + i + 1 for i in range(new))
+
+        def time(bm, bn, warps, stages, reverse=False):
+            work = torch.from_numpy(prefill_work([new], bm)[::-1 if reverse else 1].copy()).cuda()
+            return bench(lambda: prefill_attention_triton(query, kc, vc, tables, ctx, qsl, DIM ** -0.5, new, block_m=bm,
+                                                          block_n=bn, work=work, num_warps=warps, num_stages=stages),
+                         reps=20)
+
+        results = []
+        for cfg in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+            try:
+                results.append((time(*cfg), cfg, False))
+            except Exception:  # out of registers or shared memory
+                continue
+        results.sort()
+        results.append((time(*results[0][1], reverse=True), results[0][1], True))
+        for t, cfg, reverse in results[:3] + [r for r in results if r[1] == DEFAULT] + results[-1:]:
+            print(f"{name:13s} BLOCK_M={cfg[0]:3d} BLOCK_N={cfg[1]:3d} warps={cfg[2]} stages={cfg[3]}"
+                  f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
