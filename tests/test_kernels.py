@@ -255,13 +255,14 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     """The whole engine on the Triton path, on CPU tensors in Triton's interpreter: chunked
     prompts mixed with decodes (a 32-token budget), so mixed steps send single-query sequences
     to the decode kernel and the prefill kernel takes work lists; the fused GEMV at one row
-    (the default) and at up to 64 rows (tensor cores, PICOVLLM_GEMV_MAX_ROWS=64). Greedy tokens
+    (the default) and at up to 64 rows (tensor cores, PICOVLLM_GEMV_MAX_ROWS=64); work items of
+    128 queries (long chunks, here from 16 queries). Greedy tokens
     equal the PyTorch reference path's (fp32). On a GPU, tests/test_cuda.py compares the two at
     Qwen2.5-1.5B's shapes."""
     from conftest import TEST_DEVICE, make_llm
 
     from picovllm import SamplingParams
-    from picovllm.kernels import triton_utils
+    from picovllm.kernels import prefill_attention, triton_utils
     from picovllm.model.layers import linear
 
     if TEST_DEVICE != "cpu":
@@ -279,3 +280,5 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     for gemv_rows in (1, 64):
         monkeypatch.setattr(linear, "GEMV_MAX_ROWS", gemv_rows)
         assert greedy() == reference, gemv_rows
+    monkeypatch.setattr(prefill_attention, "LONG_QUERIES", 16)
+    assert greedy() == reference

@@ -16,7 +16,7 @@ from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from picovllm.engine.scheduler import ScheduledBatch
-from picovllm.kernels.prefill_attention import num_work_items, prefill_work
+from picovllm.kernels.prefill_attention import BLOCK_M, num_work_items, prefill_work, work_block_m
 from picovllm.model.layers.attention import AttentionMetadata
 from picovllm.model.loader.model_loader import load_model
 
@@ -103,8 +103,9 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
     logits_indices = last if sample is None else last[sample]
     decode_rows = token_rows = None
     work = None  # the prefill attention's work list (not for decode batches)
+    block_m = BLOCK_M if pad_mixed is not None else work_block_m(int(query_lens.max()))
     if pad_mixed is not None or not decode:
-        work = prefill_work(query_lens, capacity=pad_mixed[2] if pad_mixed else None)
+        work = prefill_work(query_lens, block_m, capacity=pad_mixed[2] if pad_mixed else None)
     if pad_mixed is not None:  # [3, T] tokens, then the sequences' arrays, padded
         size, seqs, _ = pad_mixed
         assert size >= total and seqs >= num_seqs, (pad_mixed, total, num_seqs)
@@ -134,7 +135,8 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         meta=AttentionMetadata(slot_mapping=slots_dev, block_tables=tables_dev, context_lens=ctx_dev,
                                query_start_loc=qsl_dev, max_query_len=int(query_lens.max()),
                                max_context_len=int(num_tokens.max()),
-                               any_single_query=bool((query_lens == 1).any()), prefill_work=work_dev),
+                               any_single_query=bool((query_lens == 1).any()), prefill_work=work_dev,
+                               prefill_block_m=block_m),
         logits_indices=logits_dev, decode_rows=decode_rows, token_rows=token_rows,
     )
 

@@ -16,6 +16,10 @@ from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 BLOCK_N = 32  # keys per inner-loop tile
 TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
 MAX_SPLITS = 32
+# Mixed steps: the grid covers every sequence slot (in a graph, up to max_num_seqs), whatever
+# number of them decode, so the batch size says nothing; num_splits(256 slots) = 1 had left 64 decodes
+# over ~600 keys to one program each (38 us per layer on the H200). Slots that do not decode exit.
+MIXED_SPLITS = 8
 
 
 def num_splits(batch: int, num_kv_heads: int) -> int:
@@ -108,7 +112,8 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             splits: int | None = None, query_start_loc: torch.Tensor | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
-    splits: per (sequence, KV head), a power of two; num_splits(B, kv_heads) unless given.
+    splits: per (sequence, KV head), a power of two; unless given, num_splits(B, kv_heads), and at
+    least MIXED_SPLITS in a mixed batch.
 
     Mixed batch (query_start_loc given): query holds the tokens of B sequences end to end; only
     the sequences with exactly one query are attended, into their rows of `out` (the prefill
@@ -117,8 +122,8 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_splits = splits or num_splits(batch, num_kv_heads)
     mixed = query_start_loc is not None
+    max_splits = splits or max(MIXED_SPLITS if mixed else 1, num_splits(batch, num_kv_heads))
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     # one split writes the output itself; more write partial softmaxes that a second kernel merges

@@ -23,7 +23,8 @@ import torch
 from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
 
-BLOCK_M = 64  # queries per work item
+BLOCK_M = 64  # queries per work item (and in CUDA graphs, whose work capacity counts them)
+LONG_BLOCK_M, LONG_QUERIES = 128, 1024  # eager steps with a chunk this long: 128 queries, 8 warps
 TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
 MAX_SPLITS = 16
 MERGE_ROWS = 8  # query rows per merge program
@@ -37,6 +38,13 @@ def num_splits(num_heads: int, max_query_len: int, block_m: int, work_items: int
     want = min(MAX_SPLITS, next_pow2(-(-TARGET_PROGRAMS // blocks)))
     room = MAX_PROGRAMS // (num_heads * work_items)
     return max(1, min(want, 1 << max(0, room.bit_length() - 1)))
+
+
+def work_block_m(max_query_len: int) -> int:
+    """Queries per work item of an eager step: LONG_BLOCK_M for long prompt chunks (a 2,123-token
+    prefill, 12 heads of 128: 185 -> 144 us per layer on the H200, benchmarks/attention_sweep.py),
+    BLOCK_M otherwise (few queries: 64 rows and 4 warps measured fastest)."""
+    return LONG_BLOCK_M if max_query_len >= LONG_QUERIES else BLOCK_M
 
 
 def _query_blocks(query_lens, block_m: int, include_single: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -172,12 +180,14 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
                              query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                              block_m: int = BLOCK_M, block_n: int = 64, out: torch.Tensor | None = None,
                              skip_single: bool = False, splits: int | None = None,
-                             work: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                             work: torch.Tensor | None = None, num_warps: int | None = None,
+                             num_stages: int = 2) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> same shape. work: the work list
     (prefill_work(..., block_m), on the device); without it, it is built from query_start_loc
     (a device-to-host copy), leaving out the single-query sequences when skip_single (their rows
     of `out` are the decode kernel's). splits: key splits, a power of two (num_splits() unless
-    given). num_warps, num_stages: the partition kernel's launch options."""
+    given). num_warps (default 8 from 128 queries per item, else 4), num_stages: the partition
+    kernel's launch options (2 stages: a little faster than 3 in every case swept)."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -199,7 +209,7 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
         *part_strides, scale, k_cache.shape[1], head_dim, num_heads // k_cache.shape[2],
-        PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages, **consts,
+        PRECISION=dot_precision(query.dtype), num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages, **consts,
     )
     if splits > 1:
         merge_rows = min(MERGE_ROWS, block_m)

@@ -9,6 +9,7 @@ from torch import nn
 from picovllm.kernels.decode_attention import decode_attention_triton
 from picovllm.kernels.kv_store import rope_and_store
 from picovllm.kernels.paged_attention import AttentionPlan, paged_attention_ref, plan_paged_attention
+from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
 from picovllm.kernels.prefill_attention import prefill_attention_triton
 from picovllm.kernels.triton_utils import use_triton
 
@@ -25,7 +26,8 @@ class AttentionMetadata(NamedTuple):
     any_single_query: whether some sequence computes exactly one token (mixed steps send those
     to the decode kernel).
     prefill_work: the prefill kernel's work list (kernels/prefill_attention.prefill_work: the
-    query blocks of the sequences with several queries, padded with -1 in CUDA graphs).
+    query blocks of the sequences with several queries, padded with -1 in CUDA graphs), in
+    blocks of prefill_block_m queries.
     """
 
     slot_mapping: torch.Tensor
@@ -37,6 +39,7 @@ class AttentionMetadata(NamedTuple):
     plan: AttentionPlan | None = None  # the reference path's, derived once per forward by prepare()
     any_single_query: bool = True  # some sequence has exactly one query (host-side; graphs: assume so)
     prefill_work: torch.Tensor | None = None  # None: the kernel builds it (a device-to-host copy)
+    prefill_block_m: int = PREFILL_BLOCK_M
 
 
 class PagedAttention(nn.Module):
@@ -76,4 +79,5 @@ class PagedAttention(nn.Module):
                                     query_start_loc=meta.query_start_loc, out=out)
         return prefill_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                         meta.query_start_loc, self.scale, meta.max_query_len, out=out,
-                                        skip_single=meta.any_single_query, work=meta.prefill_work)
+                                        skip_single=meta.any_single_query, work=meta.prefill_work,
+                                        block_m=meta.prefill_block_m)
