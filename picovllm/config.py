@@ -147,7 +147,7 @@ class EngineConfig:
     # 32, ... up to it, like vLLM's capture sizes up to 512); 0: they run eagerly
     # (engine/cuda_graph.py; figures in benchmarks/README.md).
     mixed_graph_tokens: int = 512
-    # Launch a decode step before the previous one's tokens are read (on the device), so the
+    # Launch each step before the previous one's tokens are read (on the device), so the
     # host's work overlaps the GPU's (vLLM's --async-scheduling); outputs are the same.
     async_scheduling: bool = True
 

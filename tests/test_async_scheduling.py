@@ -1,4 +1,4 @@
-"""async_scheduling: a decode step is launched before the previous step's tokens are read. The
+"""async_scheduling: a step is launched before the previous step's tokens are read. The
 outputs must be exactly those of the synchronous engine, whatever stops requests meanwhile."""
 import pytest
 from conftest import make_llm
@@ -19,7 +19,7 @@ def _run(llm, prompts, params):
 
 def test_outputs_equal_the_synchronous_engine(engines):
     """Greedy and seeded sampling, n=2, EOS, stop strings, different max_tokens, logprobs, more
-    prompts than max_num_seqs (so admissions interrupt the launching ahead)."""
+    prompts than max_num_seqs (admissions in steps launched ahead)."""
     fast, sync = engines
     prompts = ["Hello", "The quick brown fox", "a b c d e f g", "x", "Once upon a time", "1 2 3"]
     params = [SamplingParams(temperature=0, max_tokens=12),
@@ -59,3 +59,31 @@ def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
     assert engine.num_dropped_ahead > dropped  # requests did stop under a step launched ahead
     assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks
     assert fast.reset_prefix_cache() and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_prompt_chunks_and_admissions_are_launched_ahead_too(tiny_qwen, monkeypatch):
+    """Prompts arriving while others decode, prefilled in chunks (an 8-token budget): the steps
+    that carry their chunks are launched ahead as well (the decodes' tokens on the device, the
+    chunks' from the host), with invariants after every step and the synchronous tokens."""
+    kw = dict(skip_tokenizer_init=True, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    fast = make_llm(tiny_qwen[0], async_scheduling=True, **kw)
+    sync = make_llm(tiny_qwen[0], async_scheduling=False, **kw)
+    engine = fast.llm_engine
+    monkeypatch.setattr(engine, "debug_invariants", True)
+    prompts = [[5 + i * 3 + j for j in range(n)] for i, n in enumerate([3, 19, 6, 12, 2])]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in sync.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+    done, chunks_ahead, step = {}, 0, 0
+    while step < 3 * len(prompts) or engine.has_unfinished_requests():
+        if step % 3 == 0 and step // 3 < len(prompts):  # a new prompt every third step
+            engine.add_request(str(step // 3), prompts[step // 3], params)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        inflight = engine._inflight
+        chunks_ahead += inflight is not None and any(n > 1 for n in inflight.batch.num_new_tokens)
+        step += 1
+    assert [done[i] for i in range(len(prompts))] == expected
+    assert chunks_ahead >= 3
+    assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks

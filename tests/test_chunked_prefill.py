@@ -16,7 +16,7 @@ def _prompts(lengths, seed=0):
 
 def test_a_long_prompt_is_chunked_and_mixed_with_decodes(tiny_qwen):
     llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=10,
-                   max_num_seqs=4, enable_prefix_caching=False)
+                   max_num_seqs=4, enable_prefix_caching=False, async_scheduling=False)  # steps by hand below
     engine = llm.llm_engine
     short, long = _prompts([6, 23])
     engine.add_request("short", short, GREEDY)

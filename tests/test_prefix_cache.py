@@ -198,8 +198,8 @@ def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_schedu
     """Shared prefixes diverging anywhere, arrivals in the same and in different steps, aborts,
     preemption and a pool small enough to force eviction; invariants after every step; outputs
     equal to a cache-free engine; every block free after reset_prefix_cache(). budget 7: prompts
-    are prefilled in chunks of at most 7 tokens, mixed with decodes. async_scheduling: decode
-    steps launched ahead whenever nothing waits."""
+    are prefilled in chunks of at most 7 tokens, mixed with decodes. async_scheduling: steps
+    launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due."""
     llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=24,
                    max_model_len=80, max_num_seqs=5, max_num_batched_tokens=budget,
                    async_scheduling=async_scheduling)

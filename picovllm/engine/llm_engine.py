@@ -240,10 +240,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward; return the outputs of the requests that changed (for streaming).
 
-        With async_scheduling, a step that decodes every running request (and nothing else is
-        waiting) launches the next decode before reading its own tokens: the next step's inputs
-        take those tokens on the device, so the GPU has its next step queued while the host
-        processes this one. A request that stops meanwhile has its extra token dropped.
+        With async_scheduling, a step launches the next one before reading its own tokens (see
+        _launch_ahead): the next step's inputs take those tokens on the device, so the GPU has
+        its next step queued while the host processes this one. A request that stops meanwhile
+        has its extra token dropped.
 
         host_time_s accumulates the time the CPU spends in steps other than waiting for the
         device (on a GPU the forward is launched asynchronously and waited for at the one
@@ -282,11 +282,12 @@ class LLMEngine:
         return _Step(batch, reqs, tokens, sampled, copied)
 
     def _launch_ahead(self, step: _Step) -> _Step | None:
-        """Launch the decode that follows `step` before its tokens are read, when the next
-        schedule is known without them: `step` decoded every running request, nothing waits,
-        and no request's sampling depends on its output so far (penalties, a min_tokens ban)."""
+        """Launch the step that follows `step` before its tokens are read, when its schedule does
+        not depend on them (Scheduler.schedule_ahead): the requests that sampled in `step` decode
+        the tokens it sampled, the others' prompt chunks and new admissions follow; not when a
+        request's sampling depends on its output so far (penalties, a min_tokens ban)."""
         sched, reqs = self.scheduler, step.reqs
-        if not step.batch.is_decode or sched.waiting or len(reqs) != len(sched.running) or not reqs:
+        if not reqs:
             return None
         running = set(map(id, sched.running))
         if any(id(r) not in running or r.params.repetition_penalty != 1 or r.params.presence_penalty
@@ -297,14 +298,9 @@ class LLMEngine:
         rows = [i for i, r in enumerate(reqs) if not self._at_length_limit(r, pending=1)]
         if not rows:
             return None
-        ahead = [reqs[i] for i in rows]
-        bm, cache = self.block_manager, sched.cache
-        missing = [bm.blocks_needed(r.num_computed_tokens + 1) - len(r.block_table) for r in ahead]
-        if sum(missing) > cache.num_available_blocks:
+        batch = sched.schedule_ahead([reqs[i] for i in rows])
+        if batch is None:
             return None
-        for r, n in zip(ahead, missing):
-            if n:
-                cache.allocate(r, n)
         self.num_launched_ahead += 1
         pending = step.tokens
         if len(rows) < len(reqs):  # (a pinned, non_blocking index: a pageable copy could wait for the GPU)
@@ -312,7 +308,7 @@ class LLMEngine:
             if pending.is_cuda:
                 index = index.pin_memory().to(pending.device, non_blocking=True)
             pending = pending[index]
-        return self._launch(ScheduledBatch(ahead, [1] * len(ahead)), pending=pending)
+        return self._launch(batch, pending=pending)
 
     def _at_length_limit(self, req: Request, pending: int = 0) -> bool:
         """Whether req has reached max_tokens or max_model_len, counting `pending` tokens that

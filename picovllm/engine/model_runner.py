@@ -195,15 +195,17 @@ class ModelRunner:
         return seconds
 
     def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> ModelInputs:
-        """pending: for a decode launched ahead, each request's next input token, on the device
-        (sampled by the step before, not yet read by the host)."""
+        """pending: for a step launched ahead, the next input token of each of the batch's first
+        len(pending) requests, on the device (sampled by the step before, not yet read by the
+        host); those requests decode it."""
         reqs = batch.requests
+        num_pending = 0 if pending is None else len(pending)
         token_ids, context, sample = [], [], []
-        for r, n in zip(reqs, batch.num_new_tokens):
+        for i, (r, n) in enumerate(zip(reqs, batch.num_new_tokens)):
             end = r.num_computed_tokens + n
-            token_ids.append(r.token_ids[end - n: end] if pending is None else [0])
+            token_ids.append([0] if i < num_pending else r.token_ids[end - n: end])
             context.append(end)
-            sample.append(pending is not None or end == len(r.token_ids))
+            sample.append(i < num_pending or end == len(r.token_ids))
         query_lens = np.array(batch.num_new_tokens, dtype=np.int64)
         num_tokens = np.array(context, dtype=np.int64)
         sample = np.array(sample)
@@ -217,14 +219,16 @@ class ModelRunner:
                                                    self.mixed_graphs.work_capacity(size))
         inputs = build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
                               self.block_size, self.upload, pad_to, sample, pad_mixed)
-        if pending is not None:
-            inputs.input_ids[: len(reqs)].copy_(pending)
+        if pending is not None:  # (the pending rows decode: their tokens come first)
+            inputs.input_ids[:num_pending].copy_(pending)
         return inputs
 
     @staticmethod
-    def sampling_requests(batch: ScheduledBatch) -> list[Request]:
-        """The requests whose last token this step computes: each samples one token."""
-        return [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+    def sampling_requests(batch: ScheduledBatch, num_pending: int = 0) -> list[Request]:
+        """The requests whose last token this step computes: each samples one token (the first
+        num_pending decode a token not yet appended: see prepare)."""
+        return [r for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                if i < num_pending or r.num_computed_tokens + n == r.num_tokens]
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
@@ -254,8 +258,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> tuple[list[Request], SamplerOutput | None]:
         """One forward; the requests that sample and their samples (None when none samples).
-        pending: see prepare(); then every request samples."""
-        reqs = self.sampling_requests(batch) if pending is None else batch.requests
+        pending: see prepare()."""
+        reqs = self.sampling_requests(batch, 0 if pending is None else len(pending))
         # Sampling parameters go to the device before the forward is queued: a host-to-device
         # copy from pageable memory would otherwise wait for the whole forward to finish.
         tensors = self._sampling_tensors(reqs) if reqs else None

@@ -65,6 +65,35 @@ class Scheduler:
         self._admit(batch, budget)
         return batch if batch.requests else None
 
+    def schedule_ahead(self, decodes: list[Request]) -> ScheduledBatch | None:
+        """The step after one whose sampled tokens are still on the device (async scheduling):
+        `decodes`, running requests that sampled in it, decode those tokens (the batch's first
+        rows; their KV covers every token they hold, so each needs room for one more); the other
+        running requests' prompt chunks follow, then admissions, as schedule() orders them. None
+        when blocks run short: preemption waits for the synchronous schedule."""
+        bm, cache = self.block_manager, self.cache
+        ahead = set(map(id, decodes))
+        plan = [(r, 1) for r in decodes]
+        budget = self.max_num_batched_tokens - len(decodes)
+        for r in self.running:
+            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            if id(r) not in ahead and n > 0:  # (n = 0: a request whose last token is on the device)
+                plan.append((r, n))
+                budget -= n
+        missing = [bm.blocks_needed(r.num_computed_tokens + n) - len(r.block_table) for r, n in plan]
+        if sum(missing) > cache.num_available_blocks:
+            return None
+        batch = ScheduledBatch(list(decodes), [1] * len(decodes))
+        for (r, n), m in zip(plan, missing):
+            if m:
+                cache.allocate(r, m)
+            if id(r) not in ahead:
+                if n > 1:
+                    cache.insert(r, r.num_computed_tokens + n)
+                batch.add(r, n)
+        self._admit(batch, budget)
+        return batch
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         bm, cache = self.block_manager, self.cache
         queue = deque(self.running)

@@ -38,7 +38,7 @@ def _engine_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill long prompts over several steps, mixed with decodes")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="launch each decode step before the previous one's tokens are read (default: on)")
+                   help="launch each step before the previous one's tokens are read (default: on)")
     g.add_argument("--mixed-graph-tokens", type=int, default=512,
                    help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too "
                         "(0: eager)")
