@@ -63,7 +63,7 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     from picovllm import SamplingParams
 
     llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=12, max_num_seqs=4,
-                   enable_prefix_caching=False)
+                   enable_prefix_caching=False, async_scheduling=False)  # scheduled by hand below
     engine = llm.llm_engine
     runner = engine.model_runner
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
