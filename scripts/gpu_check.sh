@@ -2,7 +2,8 @@
 # The GPU run: the test suite with the engine on CUDA, the benchmarks, then a short table.
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
 #   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
-#   tests_engine: the rest of the test suite with the engine on CUDA
+#   tests_engine: the rest of the test suite with the engine on CUDA,
+#   sweeps: benchmarks/attention_sweep.py and gemv_sweep.py at 40 rows (about 2 minutes)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
 # Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager compiled": transformers as shipped and with its
@@ -57,13 +58,18 @@ for stage in $STAGES; do
           | grep -v "it/s\]" | tee "$OUT/offline64.log"
       bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log"
-      # smaller step budgets (prompt chunks stall the streams less); graphs for bigger mixed steps
-      for opts in "--max-num-batched-tokens 512" "--max-num-batched-tokens 256" "--mixed-graph-tokens 2048"; do
-        name=$(echo "$opts" | tr -dc '0-9')
-        name=serve_$([ "${opts#--mixed}" != "$opts" ] && echo g || echo b)$name
+      echo "-- a serving step offline: 64 decodes + a 192-token prompt chunk --"
+      python3 benchmarks/profile_decode.py mixed 64 192 2>&1 | grep -E "^mixed|us/step" | head -6 | tee "$OUT/mixed_profile.log"
+      # smaller step budgets (prompt chunks stall the streams less)
+      for opts in "--max-num-batched-tokens 512" "--max-num-batched-tokens 256"; do
+        name=serve_b$(echo "$opts" | tr -dc '0-9')
         bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 $opts \
             2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT"
       done ;;
+    sweeps)
+      echo "== kernel sweeps: prefill attention tiles, tensor-core GEMV at 40 rows =="
+      python3 benchmarks/attention_sweep.py 2>&1 | tee "$OUT/attention_sweep.log"
+      python3 benchmarks/gemv_sweep.py 40 2>&1 | tee "$OUT/gemv_sweep.log" ;;
     ab)
       echo "== the defaults against the engine with async scheduling and mixed-step graphs off =="
       for cfg in "sync_eager_mixed:--no-async-scheduling --mixed-graph-tokens 0" "sync:--no-async-scheduling" "defaults:"; do
@@ -85,7 +91,7 @@ echo "== summary =="
 python3 - "$OUT" <<'PY'
 import json, os, sys
 names = ["latency_graphs.log", "hf.log", "offline64.log", "throughput.log", "prefix.log", "serve.log"]
-names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith(("serve_b", "serve_g", "ab_")))
+names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith(("serve_b", "ab_")))
 for name in names:
     path = os.path.join(sys.argv[1], name)
     if not os.path.exists(path):
