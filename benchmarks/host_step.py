@@ -25,7 +25,7 @@ def stubbed_llm(**kwargs) -> LLM:
 
     def fake_logits(batch, pending=None):
         runner.prepare(batch, pending)
-        rows = len(batch.requests) if pending is not None else len(runner.sampling_requests(batch))
+        rows = len(runner.sampling_requests(batch, 0 if pending is None else len(pending)))
         return torch.randn(rows, vocab)
 
     runner.logits = fake_logits
