@@ -31,7 +31,7 @@ for stage in $STAGES; do
       echo "== GPU tests: parity, kernels, graphs, async scheduling =="
       PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests/test_cuda.py tests/test_kernels.py tests/test_cuda_graph.py \
           -s -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/tests.log" \
-          | grep -E "passed|failed|FAILED|Error|^[0-9.]+s (call|setup)|^(fp32|bf16|CUDA graph|kernels vs|fused|trained|mixed)" | tail -30 ;;
+          | grep -E "passed|failed|FAILED|Error|^[0-9.]+s (call|setup)|^(fp32|bf16|CUDA graph|kernels vs|fused|trained|mixed|async)" | tail -30 ;;
     tests_engine)
       echo "== the rest of the suite with the engine on CUDA =="
       PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -p no:cacheprovider --ignore=tests/test_cuda.py \
