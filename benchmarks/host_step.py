@@ -1,4 +1,4 @@
-# Usage: PYTHONPATH=. python benchmarks/host_step.py [step|ttft]  (CPU; needs the test dependencies)
+# Usage: PYTHONPATH=. python benchmarks/host_step.py [step|ttft|detok]  (CPU; needs the test dependencies)
 """Host time with the forward stubbed out (tiny vocab logits), on the CPU:
 step: a step at batch 256: scheduler, input building, sampling tensors, sampler on 307-wide
       logits, output processing;
@@ -70,5 +70,32 @@ def ttft() -> None:
     print(f"host time of a warm 2,083 + 40-token request (max_tokens=1): {best_of(timed) * 1e6:.0f} us")
 
 
+def detok() -> None:
+    from picovllm.engine.detokenizer import Detokenizer
+    from picovllm.engine.llm_engine import load_tokenizer
+    from picovllm.engine.request import Request
+    from picovllm.model.loader.model_loader import resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(None)[1])
+    ids = tokenizer.encode(open("README.md").read())[:700]
+    for name in ("DecodeStream", "windowed"):
+        d = Detokenizer(tokenizer)
+        if name == "windowed":
+            d.backend = None
+
+        def timed():
+            reqs = [Request(str(i), str(i), 0, None, ids[i:i + 512], SamplingParams(stop=["\n\n\n"]), 0, None)
+                    for i in range(64)]
+            for r in reqs:
+                d.start(r)
+            t = time.perf_counter()
+            for step in range(100):
+                for r in reqs:
+                    r.token_ids.append(ids[(step + 100) % 700])
+                    d.step(r)
+            return (time.perf_counter() - t) / 6400
+        print(f"detokenizer, {name}: {best_of(timed) * 1e6:.1f} us per token")
+
+
 if __name__ == "__main__":
-    {"step": step, "ttft": ttft}[sys.argv[1] if len(sys.argv) > 1 else "step"]()
+    {"step": step, "ttft": ttft, "detok": detok}[sys.argv[1] if len(sys.argv) > 1 else "step"]()

@@ -1,9 +1,16 @@
 """Incremental detokenization and stop strings.
 
-Each step decodes only a short window of tokens: text appears once it is complete (a
-multi-byte character split across tokens decodes to U+FFFD until its last byte arrives).
+Text appears once it is complete (a multi-byte character split across tokens shows when its
+last byte arrives). Tokenizers backed by Hugging Face `tokenizers` (every fast tokenizer) decode
+token by token in Rust with its DecodeStream, primed with the prompt's last tokens for the right
+spacing: about 2 us a token on this project's CPU, against 9 us for the windowed decoding that
+other tokenizers use (two `decode` calls over the newest tokens per step). At the end, text still
+held back (an incomplete character) is decoded as a whole `decode` would show it.
 """
 from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from picovllm.engine.request import Request
 
@@ -13,27 +20,52 @@ _PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for c
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's Rust tokenizer
+        self.backend = backend if isinstance(backend, Tokenizer) else None
 
     def start(self, req: Request) -> None:
+        """req.read_offset: the tokens whose text is in req.output_text (or the prompt's);
+        req.prefix_offset: a few tokens before it, decoded with what follows for spacing."""
         req.read_offset = req.num_prompt_tokens
         req.prefix_offset = max(req.num_prompt_tokens - _PROMPT_CONTEXT, 0)
+        if self.backend is not None:
+            req.decode_stream = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
+            for token in req.token_ids[req.prefix_offset:req.read_offset]:
+                req.decode_stream.step(self.backend, token)
+            req.num_streamed = req.read_offset
 
     def step(self, req: Request) -> str | None:
         """Append the text of the newest token(s) to req.output_text; return the stop string
         that matched (the text is then trimmed at it), else None."""
-        skip = req.params.skip_special_tokens
-        ids = req.token_ids
-        prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        new_text = self._stream(req) if self.backend is not None else self._window(req)
+        if not new_text:
             return None
-        new_text = full[len(prefix):]
-        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
         old_len = len(req.output_text)
         req.output_text += new_text
         if req.num_output_tokens < req.params.min_tokens:
             return None
         return self._check_stop(req, old_len)
+
+    def _stream(self, req: Request) -> str:
+        ids, pieces = req.token_ids, []
+        for i in range(req.num_streamed, len(ids)):
+            piece = req.decode_stream.step(self.backend, ids[i])
+            if piece:
+                pieces.append(piece)
+                req.read_offset = i + 1
+        req.num_streamed = len(ids)
+        req.prefix_offset = max(req.read_offset - _PROMPT_CONTEXT, 0)  # (for flush)
+        return "".join(pieces)
+
+    def _window(self, req: Request) -> str:
+        skip = req.params.skip_special_tokens
+        ids = req.token_ids
+        prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+        return full[len(prefix):]
 
     def flush(self, req: Request) -> str | None:
         """At the end of a request, append text still held back (an incomplete character at the

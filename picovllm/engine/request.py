@@ -39,6 +39,8 @@ class Request:
         self.output_text = ""
         self.prefix_offset = 0
         self.read_offset = 0
+        self.decode_stream = None  # a tokenizers DecodeStream, and the tokens it has seen
+        self.num_streamed = 0
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None

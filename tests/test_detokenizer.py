@@ -1,0 +1,75 @@
+"""Incremental detokenization (engine/detokenizer.py): the text streamed token by token, held
+back while a character is incomplete, equals what decoding the whole output gives, special tokens
+skipped or not, for a byte-level BPE (Qwen, GPT-2 style) and a Metaspace one (SentencePiece
+style, whose decoder drops the first token's leading space: the prompt's last tokens must be
+decoded with the output); the DecodeStream path (fast tokenizers) and the windowed path (other
+tokenizers) show the same text after every token."""
+import random
+
+import pytest
+from tiny_models import CORPUS, SPECIAL, build_tokenizer
+
+from picovllm import SamplingParams
+from picovllm.engine.detokenizer import Detokenizer
+from picovllm.engine.request import Request
+
+
+def _metaspace_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIAL + ["<unk>"],
+                                                        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module", params=["byte-level", "metaspace"])
+def tokenizer(tmp_path_factory, request):
+    if request.param == "metaspace":
+        return _metaspace_tokenizer()
+    return build_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+def _streamed(detok: Detokenizer, prompt: list[int], output: list[int], skip: bool) -> list[str]:
+    """req.output_text after each token, then after the end-of-request flush."""
+    req = Request("r", "r", 0, None, prompt, SamplingParams(skip_special_tokens=skip), 0, None)
+    detok.start(req)
+    texts = []
+    for token in output:
+        req.token_ids.append(token)
+        assert detok.step(req) is None  # no stop strings here
+        texts.append(req.output_text)
+    detok.flush(req)
+    return texts + [req.output_text]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_text_equals_the_whole_decode(tokenizer, skip, seed):
+    rng = random.Random(seed)
+    prompt = tokenizer.encode(rng.choice(CORPUS)[: rng.randrange(1, 40)])
+    # the output: pieces of real text (multi-byte characters split over byte tokens, e.g. the
+    # emoji's four bytes), random tokens and special tokens
+    output = []
+    while len(output) < 60:
+        kind = rng.random()
+        if kind < 0.5:
+            start = rng.randrange(len(CORPUS[3]))
+            output += tokenizer.encode(CORPUS[3][start: start + rng.randrange(1, 12)])
+        elif kind < 0.9:
+            output.append(rng.randrange(len(tokenizer)))
+        else:
+            output.append(rng.randrange(3))  # <|endoftext|>, <|im_start|>, <|im_end|>
+    fast = Detokenizer(tokenizer)
+    assert fast.backend is not None
+    windowed = Detokenizer(tokenizer)
+    windowed.backend = None
+    texts = _streamed(fast, prompt, output, skip)
+    assert texts == _streamed(windowed, prompt, output, skip)
+    assert all(a == b[: len(a)] for a, b in zip(texts, texts[1:]))  # text only ever grows
+    whole = tokenizer.decode(prompt + output, skip_special_tokens=skip)
+    head = tokenizer.decode(prompt, skip_special_tokens=skip)
+    assert whole.startswith(head) and texts[-1] == whole[len(head):]
