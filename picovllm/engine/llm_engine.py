@@ -213,7 +213,7 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed((params.seed + i * 1_000_003) % _MAX_SEED)
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(child_id, request_id, i, text, ids, params, next(self._arrivals), gen)
+            req = Request(child_id, request_id, i, text, ids, params, next(self._arrivals), gen, self.max_model_len)
             if self.detokenizer is not None:
                 self.detokenizer.start(req)
             children.append(req)
@@ -310,12 +310,11 @@ class LLMEngine:
             pending = pending[index]
         return self._launch(batch, pending=pending)
 
-    def _at_length_limit(self, req: Request, pending: int = 0) -> bool:
+    @staticmethod
+    def _at_length_limit(req: Request, pending: int = 0) -> bool:
         """Whether req has reached max_tokens or max_model_len, counting `pending` tokens that
         are sampled but not yet appended."""
-        max_tokens = req.params.max_tokens
-        return (max_tokens is not None and req.num_output_tokens + pending >= max_tokens) \
-            or req.num_tokens + pending >= self.max_model_len
+        return len(req.token_ids) + pending >= req.max_num_tokens
 
     def _process(self, reqs: list[Request], tokens: list[int], out: SamplerOutput | None) -> list[RequestOutput]:
         """Append each sampling request's token; a step of prompt chunks alone samples nothing."""

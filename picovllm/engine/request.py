@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-                 generator: torch.Generator | None):
+                 generator: torch.Generator | None, max_model_len: int | None = None):
         self.request_id = request_id
         self.parent_id = parent_id
         self.index = index  # which of the parent's n completions
@@ -26,6 +26,10 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt followed by the generated tokens
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # the length at which it stops for length: max_tokens generated, or max_model_len reached
+        limits = [n for n in (max_model_len, None if params.max_tokens is None
+                              else self.num_prompt_tokens + params.max_tokens) if n is not None]
+        self.max_num_tokens = min(limits, default=None)
         self.arrival = arrival
         self.generator = generator
         self.status = RequestStatus.WAITING
