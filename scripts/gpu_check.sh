@@ -3,7 +3,8 @@
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
 #   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
 #   tests_engine: the rest of the test suite with the engine on CUDA,
-#   sweeps: benchmarks/attention_sweep.py and gemv_sweep.py at 40 rows (about 2 minutes)
+#   sweeps: benchmarks/attention_sweep.py and gemv_sweep.py at 40 rows (about 2 minutes),
+#   pdl: latency with programmatic dependent launch (PICOVLLM_PDL=1) against the default
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
 # Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager compiled": transformers as shipped and with its
@@ -66,6 +67,13 @@ for stage in $STAGES; do
         bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 $opts \
             2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT"
       done ;;
+    pdl)
+      echo "== programmatic dependent launch (PICOVLLM_PDL=1) against the default =="
+      for pdl in 0 1; do
+        PICOVLLM_PDL=$pdl bench latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 256 2>&1 \
+            | grep -v "it/s\]" | tee "$OUT/ab_pdl$pdl.log" | grep -E "^picovllm"
+      done
+      PICOVLLM_PDL=1 python3 benchmarks/profile_decode.py 1 graphs 2>&1 | grep -E "^decode|us/step" | head -8 ;;
     sweeps)
       echo "== kernel sweeps: prefill attention tiles, tensor-core GEMV at 40 rows =="
       python3 benchmarks/attention_sweep.py 2>&1 | tee "$OUT/attention_sweep.log"

@@ -1,5 +1,5 @@
-"""Compile every Triton kernel ahead of time for Hopper (sm_90) without a GPU; prints 'ok' per
-kernel. Used by tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
+"""Compile every Triton kernel ahead of time for Hopper (sm_90) without a GPU, with programmatic
+dependent launch on (the interpreter runs them with it off); prints 'ok' per kernel. Used by tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
 import sys
 
 import triton
@@ -41,8 +41,8 @@ def main(dt: str) -> None:
         (gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=64,
                                  BLOCK_N=32, BLOCK_K=128, ONE_TILE=False, DOT=True, PRECISION=precision)),
     ]
-    for fn, constexprs in kernels:
-        assert "ptx" in compile_sm90(fn, ptrs, constexprs).asm
+    for fn, constexprs in kernels:  # with programmatic dependent launch (PICOVLLM_PDL=1): its wait compiled in
+        assert "griddepcontrol.wait" in compile_sm90(fn, ptrs, {**constexprs, "USE_PDL": True}).asm["ptx"]
         print("ok", fn.__name__, flush=True)
 
 

@@ -11,7 +11,7 @@ q_len=1 case."""
 import torch
 
 from picovllm.kernels.paged_attention import attend_paged_keys
-from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
+from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
 BLOCK_N = 32  # keys per inner-loop tile
 TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
@@ -51,11 +51,12 @@ def _decode_partition_kernel(
     s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
     scale, block_size, head_dim, group,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, MIXED: tl.constexpr,
+    PRECISION: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(USE_PDL)
     row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIXED)
     if not single:
         return
@@ -89,9 +90,11 @@ def _decode_partition_kernel(
 @triton.jit
 def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc, out,
                          s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, head_dim,
-                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
+                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl_wait(USE_PDL)
     row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIXED)
     if not single:
         return
@@ -143,11 +146,11 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         *part_strides, out.stride(0), out.stride(1),
         scale, k_cache.shape[1], head_dim, group,
         SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        PRECISION=dot_precision(query.dtype), MIXED=mixed,
+        PRECISION=dot_precision(query.dtype), MIXED=mixed, **pdl(query),
     )
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, context_lens, qsl, out, *part_strides, out.stride(0), out.stride(1), head_dim,
-            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIXED=mixed,
+            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIXED=mixed, **pdl(query),
         )
     return out

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
-from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
+from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
 MAX_ROWS = 64  # the kernel's limit; model/layers/linear.py uses it where it beats cuBLAS
 
@@ -65,7 +65,7 @@ def _gemv_kernel(
     M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     dt = out.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,6 +81,7 @@ def _gemv_kernel(
         w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
         if SILU_MUL:
             wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+        pdl_wait(USE_PDL)  # (with PDL the weight loads also overlap the previous kernel)
         xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
                      other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -90,6 +91,7 @@ def _gemv_kernel(
         if SILU_MUL:
             acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
     else:
+        pdl_wait(USE_PDL)
         if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -154,5 +156,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         res.stride(0), out.stride(0), n, eps,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
         SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], PRECISION=dot_precision(x.dtype), num_warps=num_warps, **cfg,
+        **pdl(x),
     )
     return out

@@ -3,7 +3,7 @@ slot_mapping (one launch per layer instead of three). Rotate-half layout, as Hug
 Qwen2 and Llama."""
 import torch
 
-from picovllm.kernels.triton_utils import next_pow2, tl, triton, use_triton
+from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -48,11 +48,12 @@ def _rope_store_kernel(
     s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct, s_ot, s_oh,
     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,  # cache strides (block, slot, head, dim)
     block_size, num_heads, num_kv_heads, half,
-    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)[None, :]
     dmask = d < half
+    pdl_wait(USE_PDL)
     c = tl.load(cos + t * s_ct + d, mask=dmask).to(tl.float32)
     s = tl.load(sin + t * s_ct + d, mask=dmask).to(tl.float32)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -85,7 +86,7 @@ def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> 
         q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
         *q.stride(), *k.stride(), *v.stride(), cos.stride(0), q_out.stride(0), q_out.stride(1),
         *k_cache.stride(), *v_cache.stride(), k_cache.shape[1], num_heads, k.shape[1], half,
-        BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half),
+        BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half), **pdl(q),
     )
     return q_out
 

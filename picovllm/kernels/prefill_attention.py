@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from picovllm.kernels.paged_attention import attend_paged_keys
-from picovllm.kernels.triton_utils import dot_precision, next_pow2, tl, triton
+from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
 BLOCK_M = 64  # queries per work item (and in CUDA graphs, whose work capacity counts them)
 LONG_BLOCK_M, LONG_QUERIES = 128, 1024  # eager steps with a chunk this long: 128 queries, 8 warps
@@ -94,8 +94,9 @@ def _prefill_kernel(
     s_at, s_ah, s_as, s_mt, s_mh,
     scale, block_size, head_dim, group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    SPLITS: tl.constexpr, MIN_PART: tl.constexpr,
+    SPLITS: tl.constexpr, MIN_PART: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     item = tl.load(work + tl.program_id(0))
     if item < 0:  # padding
         return
@@ -138,8 +139,9 @@ def _prefill_kernel(
 def _prefill_merge_kernel(
     context_lens, query_start_loc, work, out, part_acc, part_ml, s_ot, s_oh, s_at, s_ah, s_as, s_mt, s_mh, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    MIN_PART: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    MIN_PART: tl.constexpr, MERGE_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     item = tl.load(work + tl.program_id(0))
     if item < 0:
         return
@@ -204,12 +206,14 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     else:  # never touched: every query block fits one split
         part_acc = part_ml = out
         part_strides = (0,) * 5
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SPLITS=splits, MIN_PART=2 * block_n)
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SPLITS=splits, MIN_PART=2 * block_n,
+                  **pdl(query))
     _prefill_kernel[(work.numel(), num_heads, splits)](
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
         *part_strides, scale, k_cache.shape[1], head_dim, num_heads // k_cache.shape[2],
-        PRECISION=dot_precision(query.dtype), num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages, **consts,
+        PRECISION=dot_precision(query.dtype), num_warps=num_warps or (8 if block_m >= 128 else 4),
+        num_stages=num_stages, **consts,
     )
     if splits > 1:
         merge_rows = min(MERGE_ROWS, block_m)

@@ -1,7 +1,7 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
 import torch
 
-from picovllm.kernels.triton_utils import next_pow2, tl, triton, use_triton
+from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -12,14 +12,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
-def _rms_norm_kernel(x, weight, out, s_xr, s_xc, s_or, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x, weight, out, s_xr, s_xc, s_or, n_cols, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(weight + cols, mask=mask)
+    pdl_wait(USE_PDL)
     v = tl.load(x + row * s_xr + cols * s_xc, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n_cols + eps)
     normed = (v * rstd).to(out.dtype.element_ty)  # rounded to the input dtype, as the reference
-    w = tl.load(weight + cols, mask=mask)
     tl.store(out + row * s_or + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out.dtype.element_ty), mask=mask)
 
 
@@ -27,7 +28,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), rows.stride(1), out.stride(0),
-                                       rows.shape[1], eps, BLOCK=next_pow2(rows.shape[1]))
+                                       rows.shape[1], eps, BLOCK=next_pow2(rows.shape[1]), **pdl(x))
     return out.view(x.shape)
 
 

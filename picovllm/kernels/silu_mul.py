@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from picovllm.kernels.triton_utils import tl, triton, use_triton
+from picovllm.kernels.triton_utils import pdl, pdl_wait, tl, triton, use_triton
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -11,10 +11,11 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, s_r, s_c, s_or, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up, out, s_r, s_c, s_or, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
+    pdl_wait(USE_PDL)
     g = tl.load(gate_up + row * s_r + cols * s_c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up + row * s_r + (cols + n) * s_c, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out.dtype.element_ty)  # rounded like F.silu's output
@@ -26,7 +27,7 @@ def silu_mul_triton(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     n = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), rows.stride(1),
-                                                             out.stride(0), n, BLOCK=block)
+                                                             out.stride(0), n, BLOCK=block, **pdl(gate_up))
     return out.view(*gate_up.shape[:-1], n)
 
 

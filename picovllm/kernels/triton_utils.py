@@ -5,6 +5,7 @@ On a CPU, tests run the Triton kernels in Triton's interpreter (TRITON_INTERPRET
 Triton is imported) on CPU tensors."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,6 +31,35 @@ except ImportError:  # pragma: no cover - exercised on installs without Triton
 ENABLED = os.environ.get("PICOVLLM_DISABLE_TRITON", "") in ("", "0")  # tests compare both paths on CUDA
 # Tests set this (with TRITON_INTERPRET=1) to run the whole engine's Triton path on CPU tensors.
 ON_CPU = False
+
+
+# Programmatic dependent launch (Hopper and later): each kernel is launched while the one before it
+# drains, and does what does not read that one's output (address math, weight loads) before it
+# waits (pdl_wait): launch latency and the first weight loads overlap the previous kernel's tail.
+# Off until measured on the H200: PICOVLLM_PDL=1.
+PDL = os.environ.get("PICOVLLM_PDL", "") == "1"
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl(x: torch.Tensor) -> dict:
+    """The USE_PDL constexpr, and Triton's launch_pdl option, for a kernel on x's device."""
+    if PDL and x.is_cuda and _pdl_capable(x.device.index if x.device.index is not None else 0):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel to finish (its writes visible), then let the next kernel
+    launch; nothing without PDL. Before it a kernel reads only what no kernel writes (weights)
+    and writes nothing."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def use_triton(x: torch.Tensor) -> bool:
