@@ -7,10 +7,11 @@ buffers with two device copies, and the graph replays; larger batches run eagerl
 
 Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: one graph
 per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
-max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens. Padding tokens belong to no sequence (slot -1, never attended to, their
-rows are never sampled); padding sequences have no tokens and no context. A step with prompt
-tokens runs eagerly otherwise, paying one launch per op (about 12 ms per forward of Qwen2.5-1.5B
-on an H200, whatever the length: benchmarks/README.md).
+max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens. Padding tokens
+belong to no sequence (slot -1, never attended to, their rows are never sampled); padding
+sequences have no tokens and no context. A step with prompt tokens runs eagerly otherwise,
+paying one launch per op (about 12 ms per forward of Qwen2.5-1.5B on an H200, whatever the
+length: benchmarks/README.md).
 
 Inside a graph nothing may allocate new memory outside the pool, sync with the host, or depend on
 data for control flow: the decode attention's grid depends on the batch size alone (each sequence

@@ -57,12 +57,14 @@ class Detokenizer:
         req.prefix_offset = max(req.read_offset - _PROMPT_CONTEXT, 0)  # (for flush)
         return "".join(pieces)
 
-    def _window(self, req: Request) -> str:
+    def _window(self, req: Request, final: bool = False) -> str:
+        """The text of the tokens past read_offset, decoded after the few before it (spacing);
+        nothing while it ends in an incomplete character, unless final."""
         skip = req.params.skip_special_tokens
         ids = req.token_ids
         prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
         full = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (not final and full.endswith("\ufffd")):
             return ""
         req.prefix_offset, req.read_offset = req.read_offset, len(ids)
         return full[len(prefix):]
@@ -70,14 +72,11 @@ class Detokenizer:
     def flush(self, req: Request) -> str | None:
         """At the end of a request, append text still held back (an incomplete character at the
         very end stays as U+FFFD, as decoding all the tokens gives); return a stop string hit."""
-        skip = req.params.skip_special_tokens
-        prefix = self.tokenizer.decode(req.token_ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(req.token_ids[req.prefix_offset:], skip_special_tokens=skip)
-        if len(full) <= len(prefix):
+        new_text = self._window(req, final=True)
+        if not new_text:
             return None
         old_len = len(req.output_text)
-        req.output_text += full[len(prefix):]
-        req.prefix_offset = req.read_offset = len(req.token_ids)
+        req.output_text += new_text
         return self._check_stop(req, old_len)
 
     @staticmethod
