@@ -85,14 +85,21 @@ class Scheduler:
             return None
         batch = ScheduledBatch(list(decodes), [1] * len(decodes))
         for (r, n), m in zip(plan, missing):
-            if m:
-                cache.allocate(r, m)
-            if id(r) not in ahead:
-                if n > 1:
-                    cache.insert(r, r.num_computed_tokens + n)
-                batch.add(r, n)
+            if id(r) in ahead:
+                if m:
+                    cache.allocate(r, m)
+            else:
+                self._schedule(batch, r, n, m)
         self._admit(batch, budget)
         return batch
+
+    def _schedule(self, batch: ScheduledBatch, req: Request, n: int, missing: int) -> None:
+        """Give a running request the `missing` blocks its next n tokens need, and the batch those tokens."""
+        if missing:
+            self.cache.allocate(req, missing)
+        if n > 1:  # a prompt chunk: its full blocks become shareable now (decodes wait for finish)
+            self.cache.insert(req, req.num_computed_tokens + n)
+        batch.add(req, n)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         bm, cache = self.block_manager, self.cache
@@ -108,11 +115,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                if missing:
-                    cache.allocate(req, missing)
-                if n > 1:  # a prompt chunk: its full blocks become shareable now (decodes wait for finish)
-                    cache.insert(req, req.num_computed_tokens + n)
-                batch.add(req, n)
+                self._schedule(batch, req, n, missing)
                 kept.append(req)
                 budget -= n
         self.running = kept + list(queue)  # those past the budget stay running, unscheduled this step
