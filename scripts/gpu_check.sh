@@ -61,11 +61,12 @@ for stage in $STAGES; do
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log"
       echo "-- a serving step offline: 64 decodes + a 192-token prompt chunk --"
       python3 benchmarks/profile_decode.py mixed 64 192 2>&1 | grep -E "^mixed|us/step" | head -6 | tee "$OUT/mixed_profile.log"
-      # smaller step budgets (prompt chunks stall the streams less)
-      for opts in "--max-num-batched-tokens 512" "--max-num-batched-tokens 256"; do
-        name=serve_b$(echo "$opts" | tr -dc '0-9')
+      # smaller step budgets (prompt chunks stall the streams less); the start-up heap left to the collector
+      for opts in "--max-num-batched-tokens 512" "--max-num-batched-tokens 512 --no-freeze-gc" \
+                  "--max-num-batched-tokens 256"; do
+        name=serve_b$(echo "$opts" | tr -dc '0-9')$([[ $opts == *no-freeze* ]] && echo _nofreeze)
         bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 $opts \
-            2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT"
+            2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT|engine step"
       done ;;
     pdl)
       echo "== programmatic dependent launch (PICOVLLM_PDL=1) against the default =="
@@ -121,5 +122,6 @@ for name in names:
             print(f"prefix match+insert {r['match_insert_us']:.1f} us")
         elif r["benchmark"] == "serve":
             print(f"{name:20s} serve: {r['output_tok_s']:.0f} output tok/s, ITL p50 {r['itl_ms']['p50']:.2f} "
-                  f"p99 {r['itl_ms']['p99']:.2f} ms, TTFT p99 {r['ttft_ms']['p99']:.1f} ms")
+                  f"p99 {r['itl_ms']['p99']:.2f} ms, TTFT p99 {r['ttft_ms']['p99']:.1f} ms"
+                  + (f", engine step p99 {r['engine_step_ms']['p99']:.2f} ms" if "engine_step_ms" in r else ""))
 PY

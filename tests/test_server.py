@@ -186,12 +186,17 @@ def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
 
 
 def test_serving_benchmark(server, tmp_path):
-    from picovllm.bench.serve import run_serve_bench
+    from picovllm.bench.serve import EngineProbe, run_serve_bench
 
+    engine = server[1]
+    probe = EngineProbe(engine)
     summary = run_serve_bench(server[0], MODEL, num_prompts=12, concurrency=4, input_len=20, output_len=6,
-                              vocab_size=300, api_key=KEY, save_dir=str(tmp_path))
+                              vocab_size=300, api_key=KEY, save_dir=str(tmp_path), probe=probe)
     assert summary["failed"] == 0 and summary["requests"] == 12
     assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
+    # the engine stepped at least once per output token of a request, and is unwrapped again
+    assert len(probe.starts) >= 6 and summary["engine_step_ms"]["p99"] >= summary["engine_step_ms"]["p50"] > 0
+    assert "step" not in vars(engine) and set(summary["gc_pauses"]) == {"gen0", "gen1", "gen2"}
     assert (tmp_path / "serve_results.json").exists() and (tmp_path / "serve_latency.png").exists()
 
 

@@ -9,6 +9,7 @@ per-request timings and a plot.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -69,6 +70,43 @@ def _client_process(args: tuple) -> tuple[list[dict], float]:
     return results, time.time()
 
 
+class EngineProbe:
+    """With the server in this process: the engine thread's step-to-step intervals and the garbage
+    collector's pauses during the run, to tell engine-side stalls from HTTP-side ones in the ITL."""
+
+    def __init__(self, engine):
+        self.starts: list[float] = []
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._gc_start, self._engine = 0.0, engine
+        inner = engine.step
+
+        def step():
+            self.starts.append(time.perf_counter())
+            return inner()
+
+        engine.step = step
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._gc_start)
+
+    def report(self) -> dict:
+        """Stops probing (the engine's own step again) and returns the figures."""
+        gc.callbacks.remove(self._on_gc)
+        del self._engine.step
+        gaps = np.diff(self.starts)
+        steps = _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
+        pauses = {f"gen{g}": {"count": len(p), "max_ms": 1e3 * max(p, default=0), "total_ms": 1e3 * sum(p)}
+                  for g, p in self.pauses.items()}
+        print(f"engine step interval (ms): mean {steps['mean']:.2f} p50 {steps['p50']:.2f} p90 {steps['p90']:.2f} "
+              f"p99 {steps['p99']:.2f}; gc pauses: " + ", ".join(
+                  f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items()))
+        return {"engine_step_ms": steps, "gc_pauses": pauses}
+
+
 def _stats(values: list[float]) -> dict:
     a = np.asarray(values) * 1e3
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
@@ -78,7 +116,8 @@ def _stats(values: list[float]) -> dict:
 def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: int = 64,
                     request_rate: float = float("inf"), input_len: int = 512, output_len: int = 128,
                     vocab_size: int = 30000, api_key: str | None = None, seed: int = 0,
-                    save_dir: str | None = None, client_processes: int = 4) -> dict:
+                    save_dir: str | None = None, client_processes: int = 4,
+                    probe: EngineProbe | None = None) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -90,6 +129,8 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
                request_rate / procs, model, seed + i) for i in range(procs)]
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = list(pool.map(_client_process, shards))
+    if probe is not None:
+        probed = probe.report()
     results = [r for shard, _ in done for r in shard]
     elapsed = max(end for _, end in done) - start_at
     ok = [r for r in results if r["ok"]]
@@ -100,7 +141,7 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
                "concurrency": concurrency, "request_rate": request_rate, "input_len": input_len,
                "output_len": output_len,
                "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
-               "itl_ms": _stats([x for r in ok for x in r["itl"]])}
+               "itl_ms": _stats([x for r in ok for x in r["itl"]]), **(probed if probe is not None else {})}
     rows = [{"metric": name, **summary[key]} for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
                                                                ("ITL", "itl_ms")) if summary[key]]
     print(f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "

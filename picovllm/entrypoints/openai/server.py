@@ -6,6 +6,7 @@ unknown model. A streaming client that disconnects aborts its request, which fre
 """
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -200,6 +201,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     app.include_router(v1)
     return app
+
+
+def freeze_gc() -> None:
+    """Once the engine and app are built (as vLLM's server does): collect, then move every object
+    alive now (the model, the imported modules) out of the collector's view, so that the full
+    collections a long-running server triggers do not walk them while every stream waits."""
+    gc.collect()
+    gc.freeze()
 
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Callable[[], None]]:
