@@ -4,7 +4,7 @@
 #   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
 #   tests_engine: the rest of the test suite with the engine on CUDA,
 #   sweeps: benchmarks/attention_sweep.py and gemv_sweep.py at 40 rows (about 2 minutes),
-#   pdl: latency with programmatic dependent launch (PICOVLLM_PDL=1) against the default
+#   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
 # Env: MODEL (default dummy:qwen2.5-1.5b), HF_MODES (default "eager compiled": transformers as shipped and with its
@@ -69,12 +69,12 @@ for stage in $STAGES; do
             2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT|engine step"
       done ;;
     pdl)
-      echo "== programmatic dependent launch (PICOVLLM_PDL=1) against the default =="
+      echo "== programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0) =="
       for pdl in 0 1; do
         PICOVLLM_PDL=$pdl bench latency --model "$MODEL" --batch-sizes 1,8,32,128 --input-len 128 --output-len 256 2>&1 \
             | grep -v "it/s\]" | tee "$OUT/ab_pdl$pdl.log" | grep -E "^picovllm"
       done
-      PICOVLLM_PDL=1 python3 benchmarks/profile_decode.py 1 graphs 2>&1 | grep -E "^decode|us/step" | head -8 ;;
+      python3 benchmarks/profile_decode.py 1 graphs 2>&1 | grep -E "^decode|us/step" | head -8 ;;
     sweeps)
       echo "== kernel sweeps: prefill attention tiles, tensor-core GEMV at 40 rows =="
       python3 benchmarks/attention_sweep.py 2>&1 | tee "$OUT/attention_sweep.log"

@@ -41,7 +41,7 @@ def main(dt: str) -> None:
         (gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=64,
                                  BLOCK_N=32, BLOCK_K=128, ONE_TILE=False, DOT=True, PRECISION=precision)),
     ]
-    for fn, constexprs in kernels:  # with programmatic dependent launch (PICOVLLM_PDL=1): its wait compiled in
+    for fn, constexprs in kernels:  # with programmatic dependent launch (the default on sm_90): its wait compiled in
         assert "griddepcontrol.wait" in compile_sm90(fn, ptrs, {**constexprs, "USE_PDL": True}).asm["ptx"]
         print("ok", fn.__name__, flush=True)
 

@@ -335,8 +335,8 @@ def test_async_scheduling_with_arrivals_and_a_long_prompt(peaked_1p5b):
 
 
 def test_programmatic_dependent_launch_gives_the_same_tokens(monkeypatch):
-    """PICOVLLM_PDL=1 (each kernel launched while the previous one drains, waiting inside for its
-    writes) changes when kernels start, not what they compute: the same tokens exactly, with
+    """Programmatic dependent launch (the default: each kernel launched while the previous one
+    drains, waiting inside for its writes) changes when kernels start, not what they compute: the same tokens exactly, with
     decode and mixed-step graphs and async scheduling (16 prompts, greedy and seeded, 48 tokens)."""
     from picovllm.kernels import triton_utils
 

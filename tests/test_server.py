@@ -197,6 +197,7 @@ def test_serving_benchmark(server, tmp_path):
     # the engine stepped at least once per output token of a request, and is unwrapped again
     assert len(probe.starts) >= 6 and summary["engine_step_ms"]["p99"] >= summary["engine_step_ms"]["p50"] > 0
     assert "step" not in vars(engine) and set(summary["gc_pauses"]) == {"gen0", "gen1", "gen2"}
+    assert summary["cpu_ms_per_step"]["engine"] > 0 and summary["cpu_ms_per_step"]["http"] > 0
     assert (tmp_path / "serve_results.json").exists() and (tmp_path / "serve_latency.png").exists()
 
 

@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import random
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -70,9 +71,14 @@ def _client_process(args: tuple) -> tuple[list[dict], float]:
     return results, time.time()
 
 
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
 class EngineProbe:
-    """With the server in this process: the engine thread's step-to-step intervals and the garbage
-    collector's pauses during the run, to tell engine-side stalls from HTTP-side ones in the ITL."""
+    """With the server in this process: the engine thread's step-to-step intervals, the CPU time
+    the engine and HTTP threads spend per step (they share one GIL), and the garbage collector's
+    pauses during the run, to tell engine-side stalls from HTTP-side ones in the ITL."""
 
     def __init__(self, engine):
         self.starts: list[float] = []
@@ -86,6 +92,8 @@ class EngineProbe:
 
         engine.step = step
         gc.callbacks.append(self._on_gc)
+        self._threads = [t for t in threading.enumerate() if t.name in ("picovllm-engine", "picovllm-http")]
+        self._cpu = [_thread_cpu_s(t) for t in self._threads]
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -101,10 +109,12 @@ class EngineProbe:
         steps = _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
         pauses = {f"gen{g}": {"count": len(p), "max_ms": 1e3 * max(p, default=0), "total_ms": 1e3 * sum(p)}
                   for g, p in self.pauses.items()}
+        cpu = {t.name.removeprefix("picovllm-"): 1e3 * (_thread_cpu_s(t) - c0) / max(len(self.starts), 1)
+               for t, c0 in zip(self._threads, self._cpu)}
         print(f"engine step interval (ms): mean {steps['mean']:.2f} p50 {steps['p50']:.2f} p90 {steps['p90']:.2f} "
-              f"p99 {steps['p99']:.2f}; gc pauses: " + ", ".join(
-                  f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items()))
-        return {"engine_step_ms": steps, "gc_pauses": pauses}
+              f"p99 {steps['p99']:.2f}; CPU per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+              + "; gc pauses: " + ", ".join(f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items()))
+        return {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "gc_pauses": pauses}
 
 
 def _stats(values: list[float]) -> dict:
