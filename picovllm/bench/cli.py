@@ -50,8 +50,8 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); default: all")
     srv.add_argument("--input-len", type=int, default=512)
     srv.add_argument("--output-len", type=int, default=128)
-    srv.add_argument("--no-freeze-gc", action="store_true",
-                     help="in-process server: leave the start-up heap to the garbage collector (as before)")
+    srv.add_argument("--gil-switch-interval-ms", type=float, default=None,
+                     help="in-process server: Python's GIL switch interval (default: the server's, 0.5; Python's: 5)")
     srv.add_argument("--save-dir", default=None, help="write serve_results.json and serve_latency.png here")
     srv.add_argument("--seed", type=int, default=0)
     srv.set_defaults(func=_serve)
@@ -92,15 +92,15 @@ def _serve(args: argparse.Namespace) -> int:
     if url is None:
         from picovllm import LLMEngine
         from picovllm.entrypoints.openai.async_engine import AsyncEngine
-        from picovllm.entrypoints.openai.server import build_app, freeze_gc, serve_in_thread
+        from picovllm.entrypoints.openai.server import build_app, prepare_process, serve_in_thread
 
         engine = AsyncEngine(LLMEngine.from_engine_args(**engine_kwargs(args)))
         name = name or args.model or "default"
         vocab = min(vocab, engine.engine.model_config.vocab_size)
         url, stop = serve_in_thread(build_app(engine, name, args.api_key))
         probe = EngineProbe(engine.engine)
-        if not args.no_freeze_gc:
-            freeze_gc()
+        ms = args.gil_switch_interval_ms
+        prepare_process(*(() if ms is None else (ms / 1e3,)))
     try:
         run_serve_bench(url, name, args.num_prompts, args.concurrency, args.request_rate, args.input_len,
                         args.output_len, vocab, args.api_key, args.seed, args.save_dir,

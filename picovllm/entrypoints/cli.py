@@ -164,7 +164,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from picovllm import LLMEngine
     from picovllm.entrypoints.openai.async_engine import AsyncEngine
-    from picovllm.entrypoints.openai.server import build_app, freeze_gc
+    from picovllm.entrypoints.openai.server import build_app, prepare_process
     from picovllm.model.loader.builtin import DEFAULT_MODEL
 
     args.model = args.model_tag or args.model
@@ -175,7 +175,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
     engine = AsyncEngine(LLMEngine.from_engine_args(**engine_kwargs(args)))
     app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
-    freeze_gc()
+    prepare_process()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
