@@ -4,7 +4,7 @@
 #   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
 #   tests_engine: the rest of the test suite with the engine on CUDA,
 #   sweeps: benchmarks/attention_sweep.py and gemv_sweep.py at 40 rows (about 2 minutes),
-#   serve_budgets: the serving benchmark at step budgets 512 (also with Python's 5 ms GIL switch), 256, 192, 128
+#   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
@@ -64,12 +64,13 @@ for stage in $STAGES; do
       python3 benchmarks/profile_decode.py mixed 64 192 2>&1 | grep -E "^mixed|us/step" | head -6 | tee "$OUT/mixed_profile.log"
       ;&
     serve_budgets)
-      # smaller step budgets (prompt chunks stall the streams less); Python's 5 ms GIL switch interval
-      for opts in "--max-num-batched-tokens 512" "--max-num-batched-tokens 512 --gil-switch-interval-ms 5" \
-                  "--max-num-batched-tokens 256" "--max-num-batched-tokens 192" "--max-num-batched-tokens 128"; do
-        name=serve_b$(echo "$opts" | cut -d' ' -f2)$([[ $opts == *switch* ]] && echo _switch5ms)
+      # smaller step budgets (prompt chunks stall the streams less); the engine on a thread of the server's process
+      for opts in "--max-num-batched-tokens 512" "--max-num-batched-tokens 512 --disable-frontend-multiprocessing" \
+                  "--max-num-batched-tokens 256" "--max-num-batched-tokens 192 --max-num-seqs 64" \
+                  "--max-num-batched-tokens 128 --max-num-seqs 64"; do
+        name=serve_b$(echo "$opts" | cut -d' ' -f2)$([[ $opts == *disable-frontend* ]] && echo _thread)
         bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 $opts \
-            2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT|engine step"
+            2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT|engine step|rror"
       done ;;
     pdl)
       echo "== programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0) =="

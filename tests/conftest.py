@@ -31,9 +31,13 @@ def tiny_llama(tmp_path_factory):
 TEST_DEVICE = os.environ.get("PICOVLLM_TEST_DEVICE", "cpu")
 
 
+def engine_args(path: str, **kwargs) -> dict:
+    """The tests' engine options: fp32, a 16 MiB KV cache, on TEST_DEVICE."""
+    return {"model": path, "dtype": "float32", "device": TEST_DEVICE, "kv_cache_memory": 16 << 20,
+            "gpu_memory_utilization": 0.3, **kwargs}
+
+
 def make_llm(path: str, **kwargs):
     from picovllm import LLM
 
-    kwargs = {"dtype": "float32", "device": TEST_DEVICE, "kv_cache_memory": 16 << 20,
-              "gpu_memory_utilization": 0.3, **kwargs}
-    return LLM(path, **kwargs)
+    return LLM(**engine_args(path, **kwargs))

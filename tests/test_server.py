@@ -5,29 +5,35 @@ import time
 
 import httpx
 import pytest
-from conftest import make_llm
+from conftest import engine_args, make_llm
 
 openai = pytest.importorskip("openai")
 
-from picovllm import SamplingParams  # noqa: E402
-from picovllm.entrypoints.openai.async_engine import AsyncEngine  # noqa: E402
+from picovllm import LLM, SamplingParams  # noqa: E402
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess  # noqa: E402
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-test"
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+@pytest.fixture(scope="module", params=["sync", "async_scheduling", "engine_process"])
 def server(tiny_qwen, request):
-    """(URL, the served LLMEngine, a separate LLM of the same model for expected outputs: the
-    served engine belongs to the server's engine thread). The served engine's 16-token budget
-    and 16 sequences make prompts go in chunks beside other streams' decodes, and requests queue;
-    every test runs against the synchronous engine and against one with async scheduling."""
-    llm = make_llm(tiny_qwen[0], max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=16,
-                   async_scheduling=request.param)
-    engine = AsyncEngine(llm.llm_engine)
+    """(URL, the served LLMEngine (None when it runs in a process of its own), a separate LLM of
+    the same model for expected outputs, the background engine). The served engine belongs to the
+    server's engine thread or process. Its 16-token budget and 16 sequences make prompts go in
+    chunks beside other streams' decodes, and requests queue; every test runs against the
+    synchronous engine, one with async scheduling, and (the server's default) the engine in a
+    process of its own, with async scheduling."""
+    args = engine_args(tiny_qwen[0], max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=16,
+                       async_scheduling=request.param != "sync")
+    if request.param == "engine_process":
+        llm_engine, engine = None, EngineProcess(args)
+    else:
+        llm_engine = LLM(**args).llm_engine
+        engine = AsyncEngine(llm_engine)
     url, stop = serve_in_thread(build_app(engine, MODEL, api_key=KEY))
-    yield url, llm.llm_engine, make_llm(tiny_qwen[0], max_model_len=256, block_size=4)
+    yield url, llm_engine, make_llm(tiny_qwen[0], max_model_len=256, block_size=4), engine
     stop()
     engine.shutdown()
 
@@ -38,7 +44,7 @@ def client(server):
 
 
 def test_completion_matches_llm_generate(server, client):
-    _, _, llm = server
+    llm = server[2]
     prompts = ["The capital of France is", "def add(a, b):"]
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
@@ -138,7 +144,7 @@ def test_api_key_required(server):
 
 
 def test_64_concurrent_streams(server, client):
-    _, _, llm = server
+    llm = server[2]
     prompts = [f"Hello {i}" for i in range(64)]
     expected = {p: o.outputs[0].text for p, o in zip(prompts, llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))}
@@ -155,40 +161,50 @@ def test_64_concurrent_streams(server, client):
     for p, text in asyncio.run(main()):
         assert text == expected[p]
     engine = server[1]
-    assert engine.num_launched_ahead > 0 if engine.async_scheduling else engine.num_launched_ahead == 0
+    if engine is not None:
+        assert engine.num_launched_ahead > 0 if engine.async_scheduling else engine.num_launched_ahead == 0
 
 
 def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
-    url, engine, _ = server
+    """A client that leaves mid-stream aborts its request (the engine's abort, seen with the
+    tokens it had generated; or the engine process's command) and its blocks are freed."""
+    url, engine, _, background = server
     aborted = []
-    real_abort = engine.abort_request
+    if engine is not None:
+        real_abort = engine.abort_request
 
-    def recording_abort(rid):
-        aborted.append((rid, engine.groups[rid].children[0].num_output_tokens if rid in engine.groups else None))
-        real_abort(rid)
+        def recording_abort(rid):
+            aborted.append((rid, engine.groups[rid].children[0].num_output_tokens if rid in engine.groups else None))
+            real_abort(rid)
 
-    monkeypatch.setattr(engine, "abort_request", recording_abort)
+        monkeypatch.setattr(engine, "abort_request", recording_abort)
+    else:
+        real_abort = background.abort
+        monkeypatch.setattr(background, "abort", lambda rid: (aborted.append((rid, 0)), real_abort(rid)))
     with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json={"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break  # leave mid-stream
     deadline = time.time() + 10
-    while engine.has_unfinished_requests() and time.time() < deadline:
+    while time.time() < deadline and (background.get_metrics()["num_running"] or background.get_metrics()["num_waiting"]
+                                      or not aborted):
         time.sleep(0.05)
-    assert not engine.has_unfinished_requests()
+    assert engine is None or not engine.has_unfinished_requests()
     assert len(aborted) == 1 and aborted[0][0].startswith("cmpl-")
     assert aborted[0][1] is not None and aborted[0][1] < 200  # stopped mid-generation
     metrics = httpx.get(url + "/metrics").text
-    assert "picovllm:num_requests_running" in metrics and "picovllm:time_to_first_token_seconds_bucket" in metrics
-    m = engine.get_metrics()
+    assert "picovllm:num_requests_running 0.0" in metrics and "picovllm:time_to_first_token_seconds_bucket" in metrics
+    m = background.get_metrics()
+    assert m["num_running"] == m["num_waiting"] == 0
     assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"]
 
 
 def test_serving_benchmark(server, tmp_path):
     from picovllm.bench.serve import EngineProbe, run_serve_bench
 
-    engine = server[1]
+    engine = server[3]
+    on_step = engine.on_step
     probe = EngineProbe(engine)
     summary = run_serve_bench(server[0], MODEL, num_prompts=12, concurrency=4, input_len=20, output_len=6,
                               vocab_size=300, api_key=KEY, save_dir=str(tmp_path), probe=probe)
@@ -196,13 +212,14 @@ def test_serving_benchmark(server, tmp_path):
     assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
     # the engine stepped at least once per output token of a request, and is unwrapped again
     assert len(probe.starts) >= 6 and summary["engine_step_ms"]["p99"] >= summary["engine_step_ms"]["p50"] > 0
-    assert "step" not in vars(engine) and set(summary["gc_pauses"]) == {"gen0", "gen1", "gen2"}
-    assert summary["cpu_ms_per_step"]["engine"] > 0 and summary["cpu_ms_per_step"]["http"] > 0
+    assert engine.on_step == on_step and set(summary["gc_pauses"]) == {"gen0", "gen1", "gen2"}
+    cpu = summary["cpu_ms_per_step"]
+    assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0
     assert (tmp_path / "serve_results.json").exists() and (tmp_path / "serve_latency.png").exists()
 
 
 def test_echo_token_prompts_and_chat_tokenize(server, client):
-    url, _, llm = server
+    url, llm = server[0], server[2]
     tok = llm.get_tokenizer()
     echoed = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, echo=True,
                                        extra_body={"ignore_eos": True}).choices[0].text
@@ -234,3 +251,28 @@ def test_prepare_process_freezes_the_heap_and_shortens_the_gil_switch():
     finally:
         gc.unfreeze()
         sys.setswitchinterval(before)
+
+
+def test_engine_process_start_up_error_and_death(tiny_qwen):
+    """Bad engine options fail at start-up, in the server's process, with the engine's message;
+    an engine process that dies fails the waiting streams and new requests (EngineDeadError), and
+    /health turns 503."""
+    from picovllm.entrypoints.openai.async_engine import EngineDeadError
+
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineProcess(engine_args(tiny_qwen[0], max_num_batched_tokens=4, max_num_seqs=8))
+    engine = EngineProcess(engine_args(tiny_qwen[0], max_model_len=256, block_size=4))
+    url, stop = serve_in_thread(build_app(engine, MODEL))
+    try:
+        assert httpx.get(url + "/health").status_code == 200
+        engine._process.kill()
+        deadline = time.time() + 10
+        while engine.error is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert isinstance(engine.error, EngineDeadError)
+        assert httpx.get(url + "/health").status_code == 503
+        r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, key=None)
+        assert r.status_code == 500 and "engine" in r.json()["error"]["message"]
+    finally:
+        stop()
+        engine.shutdown()

@@ -50,6 +50,8 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); default: all")
     srv.add_argument("--input-len", type=int, default=512)
     srv.add_argument("--output-len", type=int, default=128)
+    srv.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                     help="in-process server: the engine on a thread of the server's process (as `picovllm serve`)")
     srv.add_argument("--gil-switch-interval-ms", type=float, default=None,
                      help="in-process server: Python's GIL switch interval (default: the server's, 0.5; Python's: 5)")
     srv.add_argument("--save-dir", default=None, help="write serve_results.json and serve_latency.png here")
@@ -90,15 +92,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     name, url, stop, vocab, probe = args.served_model_name, args.base_url, None, 30000, None
     if url is None:
-        from picovllm import LLMEngine
-        from picovllm.entrypoints.openai.async_engine import AsyncEngine
+        from picovllm.entrypoints.openai.async_engine import start_background_engine
         from picovllm.entrypoints.openai.server import build_app, prepare_process, serve_in_thread
 
-        engine = AsyncEngine(LLMEngine.from_engine_args(**engine_kwargs(args)))
+        engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
         name = name or args.model or "default"
-        vocab = min(vocab, engine.engine.model_config.vocab_size)
+        vocab = min(vocab, engine.vocab_size)
         url, stop = serve_in_thread(build_app(engine, name, args.api_key))
-        probe = EngineProbe(engine.engine)
+        probe = EngineProbe(engine)
         ms = args.gil_switch_interval_ms
         prepare_process(*(() if ms is None else (ms / 1e3,)))
     try:

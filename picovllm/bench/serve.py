@@ -9,6 +9,7 @@ per-request timings and a plot.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import multiprocessing
@@ -75,25 +76,35 @@ def _thread_cpu_s(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+def _process_cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 class EngineProbe:
-    """With the server in this process: the engine thread's step-to-step intervals, the CPU time
-    the engine and HTTP threads spend per step (they share one GIL), and the garbage collector's
-    pauses during the run, to tell engine-side stalls from HTTP-side ones in the ITL."""
+    """With the server in this process: the intervals between the engine's steps as the server
+    sees them (on_step of an AsyncEngine or EngineProcess), the CPU time per step of the engine
+    (its thread, or its process and the thread here reading it) and of the HTTP thread, and the
+    garbage collector's pauses here: to tell engine-side stalls from HTTP-side ones in the ITL."""
 
     def __init__(self, engine):
         self.starts: list[float] = []
         self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
-        self._gc_start, self._engine = 0.0, engine
-        inner = engine.step
+        self._gc_start, self._engine, self._inner = 0.0, engine, engine.on_step
 
-        def step():
+        def on_step(e, outputs):
             self.starts.append(time.perf_counter())
-            return inner()
+            if self._inner is not None:
+                self._inner(e, outputs)
 
-        engine.step = step
+        engine.on_step = on_step
         gc.callbacks.append(self._on_gc)
-        self._threads = [t for t in threading.enumerate() if t.name in ("picovllm-engine", "picovllm-http")]
-        self._cpu = [_thread_cpu_s(t) for t in self._threads]
+        names = ("picovllm-engine", "picovllm-engine-reader", "picovllm-http")
+        self._clocks = {t.name.removeprefix("picovllm-"): functools.partial(_thread_cpu_s, t)
+                        for t in threading.enumerate() if t.name in names}
+        if getattr(engine, "pid", None) is not None:
+            self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
+        self._cpu = {k: clock() for k, clock in self._clocks.items()}
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -102,15 +113,14 @@ class EngineProbe:
             self.pauses[info["generation"]].append(time.perf_counter() - self._gc_start)
 
     def report(self) -> dict:
-        """Stops probing (the engine's own step again) and returns the figures."""
+        """Stops probing (the engine's own on_step again) and returns the figures."""
         gc.callbacks.remove(self._on_gc)
-        del self._engine.step
+        self._engine.on_step = self._inner
         gaps = np.diff(self.starts)
         steps = _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
         pauses = {f"gen{g}": {"count": len(p), "max_ms": 1e3 * max(p, default=0), "total_ms": 1e3 * sum(p)}
                   for g, p in self.pauses.items()}
-        cpu = {t.name.removeprefix("picovllm-"): 1e3 * (_thread_cpu_s(t) - c0) / max(len(self.starts), 1)
-               for t, c0 in zip(self._threads, self._cpu)}
+        cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
         print(f"engine step interval (ms): mean {steps['mean']:.2f} p50 {steps['p50']:.2f} p90 {steps['p90']:.2f} "
               f"p99 {steps['p99']:.2f}; CPU per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
               + "; gc pauses: " + ", ".join(f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items()))

@@ -74,6 +74,44 @@ def load_tokenizer(path: str):
                          "to run on token ids only") from e
 
 
+def process_prompt(prompt: PromptType, params: SamplingParams, tokenizer, vocab_size: int,
+                   max_model_len: int) -> tuple[str | None, list[int]]:
+    """Validate a prompt (string, token ids or {"prompt_token_ids"/"prompt": ...}) against a
+    model (its tokenizer, vocabulary and context) and params; return its text and token ids.
+    Raises ValueError. Needs no model weights: a server's front end runs it."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or not prompt:
+            raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer (the engine was started without one)")
+        text, ids = prompt, tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        text, ids, vocab = None, list(prompt), vocab_size
+        # the common case checked in C (set, map, min, max: ~10x faster than a Python loop over
+        # a 2,000-token prompt), the first offender found only when there is one
+        if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+            bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
+    else:
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
+                         "which leaves no room to generate")
+    if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len ({max_model_len})")
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer (the engine was started without one)")
+    return text, ids
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -81,9 +119,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_config, path = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype)
-        self.tokenizer = None
+        self.tokenizer = self.tokenizer_source = None  # (where it was loaded from: a server's front end loads it too)
         if path is not None and not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(config.tokenizer or path)
+            self.tokenizer_source = config.tokenizer or path
+            self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -159,40 +198,8 @@ class LLMEngine:
     # ---- requests in ------------------------------------------------------------------------
 
     def process_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Validate a prompt (string, token ids or {"prompt_token_ids"/"prompt": ...}) against the
-        model and params; return its text and token ids. Raises ValueError."""
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or not prompt:
-                raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer (the engine was started without one)")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            # the common case checked in C (set, map, min, max: ~10x faster than a Python loop over
-            # a 2,000-token prompt), the first offender found only when there is one
-            if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
-                bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
-                raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
-        else:
-            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                             "which leaves no room to generate")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (the engine was started without one)")
-        return text, ids
+        """Validate a prompt against this engine's model and limits (see process_prompt)."""
+        return process_prompt(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError (and queues nothing) on bad input."""

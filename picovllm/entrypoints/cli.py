@@ -162,8 +162,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from picovllm import LLMEngine
-    from picovllm.entrypoints.openai.async_engine import AsyncEngine
+    from picovllm.entrypoints.openai.async_engine import start_background_engine
     from picovllm.entrypoints.openai.server import build_app, prepare_process
     from picovllm.model.loader.builtin import DEFAULT_MODEL
 
@@ -173,7 +172,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.stop:
         defaults["stop"] = args.stop
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
-    engine = AsyncEngine(LLMEngine.from_engine_args(**engine_kwargs(args)))
+    engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
     app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
     prepare_process()
     try:
@@ -220,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                       help="run the engine on a thread of the server's process, not in a process of its own")
     serve.set_defaults(func=_cmd_serve)
 
     models = sub.add_parser("models", help="list built-in models")

@@ -1,21 +1,27 @@
-"""The engine on a background thread, for asyncio servers.
+"""The engine in the background, for asyncio servers: on a thread of this process (AsyncEngine),
+or in a process of its own (EngineProcess, the server's default; vLLM's engine core runs apart
+for the same reason): the engine's host work and the HTTP thread's streaming then do not take
+turns on one GIL.
 
-HTTP handlers never run the model: they submit requests and abort them through a thread-safe
-queue, and receive each request's RequestOutputs on an asyncio queue fed from the engine thread
-(loop.call_soon_threadsafe, once per step). The engine thread steps while anything is unfinished and sleeps on
-an event otherwise.
+Both validate prompts off the event loop, take requests and aborts from HTTP handlers, deliver
+each request's RequestOutputs on an asyncio queue (loop.call_soon_threadsafe, once per step for
+all the streams of a loop), abort a request whose consumer stops early, and call
+on_step(self, outputs) after each step (metrics; get_metrics() is the engine's).
 """
 from __future__ import annotations
 
 import asyncio
+import gc
+import multiprocessing
 import queue
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from picovllm.engine.llm_engine import LLMEngine, PromptType
-from picovllm.outputs import RequestOutput
+from picovllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer, process_prompt
+from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
 
@@ -26,7 +32,7 @@ class _Stream:
     arrival: float = field(default_factory=time.perf_counter)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 
@@ -35,26 +41,30 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step=None):
-        self.engine = engine
-        self.on_step = on_step  # called on the engine thread after each step (metrics)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._stop = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
-        self._thread.start()
+class _Background:
+    """What both kinds share: the streams, and delivering a step's outputs to them. A subclass
+    sets tokenizer, vocab_size and max_model_len, and sends commands (_send: ("add", request_id,
+    text, ids, params) or ("abort", request_id)) to its engine."""
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    tokenizer = None
+    vocab_size: int
+    max_model_len: int
+
+    def __init__(self, on_step=None):
+        self.on_step = on_step  # called after each step with (self, outputs): metrics
+        self.error: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}
+
+    def _send(self, cmd: tuple) -> None:
+        raise NotImplementedError
+
+    def get_metrics(self) -> dict[str, int]:
+        raise NotImplementedError
 
     async def validate(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt off the event loop (it reads only the engine's fixed
-        settings and its thread-safe tokenizer). Raises ValueError for bad input."""
-        return await asyncio.to_thread(self.engine.process_prompt, prompt, params)
+        """Tokenize and check a prompt off the event loop. Raises ValueError for bad input."""
+        return await asyncio.to_thread(process_prompt, prompt, params, self.tokenizer, self.vocab_size,
+                                       self.max_model_len)
 
     async def generate(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -64,8 +74,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, text, ids, params))
-        self._wake.set()
+        self._send(("add", request_id, text, ids, params))
         finished = False
         try:
             while True:
@@ -82,7 +91,46 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._send(("abort", request_id))
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up of each loop per step
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+        if self.on_step is not None:
+            self.on_step(self, outputs)
+
+    def _fail(self, error: BaseException) -> None:
+        """The engine is broken: fail every waiting stream, loudly."""
+        self.error = error
+        for stream in list(self._streams.values()):
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+
+class AsyncEngine(_Background):
+    """The engine on a thread of this process: it steps while anything is unfinished and sleeps
+    on an event otherwise; commands reach it through a thread-safe queue."""
+
+    def __init__(self, engine: LLMEngine, on_step=None):
+        super().__init__(on_step)
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.vocab_size, self.max_model_len = engine.model_config.vocab_size, engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
+        self._thread.start()
+
+    def get_metrics(self) -> dict[str, int]:
+        return self.engine.get_metrics()
+
+    def _send(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -94,37 +142,184 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stop:
-                self._apply_commands()
+                applied = self._apply_commands()
                 if not engine.has_unfinished_requests():
+                    if applied:  # the metrics after aborts that left nothing to step
+                        self._deliver_step([])
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                outputs = engine.step()
-                # one wake-up of each event loop per step, not one per output
-                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-                for loop, items in by_loop.items():
-                    loop.call_soon_threadsafe(_deliver, items)
-                if self.on_step is not None:
-                    self.on_step(engine, outputs)
-        except BaseException as e:  # the engine is broken: fail every waiting stream, loudly
-            self.error = e
-            for stream in list(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+                self._deliver_step(engine.step())
+        except BaseException as e:
+            self._fail(e)
             raise
 
-    def _apply_commands(self) -> None:
+    def _apply_commands(self) -> bool:
+        applied = False
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return applied
+            applied = True
             if cmd[0] == "add":
                 _, rid, text, ids, params = cmd
                 if rid in self._streams:  # not already abandoned by its client
                     self.engine.add_validated_request(rid, text, ids, params)
             else:
                 self.engine.abort_request(cmd[1])
+
+
+# ---- the engine in a process of its own -------------------------------------------------------
+
+def _delta(out: RequestOutput, sent: dict[str, list[list[int]]]) -> tuple:
+    """What a cumulative output adds to the last one sent (so that a step's message does not
+    grow with the length of the outputs): per completion, its new tokens and logprobs, and its
+    text as (kept, new): a stop string found cuts text off the end, so only a prefix is kept."""
+    marks = sent.setdefault(out.request_id, [[0, 0] for _ in out.outputs])
+    comps = []
+    for c, m in zip(out.outputs, marks):
+        kept = min(m[1], len(c.text))
+        comps.append((c.token_ids[m[0]:], (kept, c.text[kept:]), None if c.logprobs is None else c.logprobs[m[0]:],
+                      c.cumulative_logprob, c.finish_reason, c.stop_reason))
+        m[0], m[1] = len(c.token_ids), len(c.text)
+    if out.finished:
+        del sent[out.request_id]
+    return out.request_id, comps, out.finished, out.num_cached_tokens
+
+
+def _engine_main(engine_args: dict, commands, outputs) -> None:
+    """The engine process: build the engine, report its limits, then apply commands and step
+    while anything is unfinished, sending each step's output deltas and the engine's metrics.
+    Ctrl-C is the server's to handle: it shuts this process down by closing the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = LLMEngine.from_engine_args(**engine_args)
+    except BaseException as e:  # bad options: the server reports them and does not start
+        outputs.send(("error", e))
+        return
+    outputs.send(("ready", {"vocab_size": engine.model_config.vocab_size, "max_model_len": engine.max_model_len,
+                            "tokenizer": engine.tokenizer_source}))
+    gc.collect()
+    gc.freeze()  # the model and modules out of the collector's walks (see server.prepare_process)
+    sent: dict[str, list[list[int]]] = {}
+    try:
+        while True:
+            idle = not engine.has_unfinished_requests()
+            if idle:  # the metrics after aborts that left nothing to step
+                outputs.send(("step", [], engine.get_metrics()))
+            while commands.poll(None if idle else 0):
+                cmd = commands.recv()
+                if cmd is None:
+                    return
+                if cmd[0] == "add":
+                    engine.add_validated_request(*cmd[1:])
+                else:
+                    engine.abort_request(cmd[1])
+                    sent.pop(cmd[1], None)
+                idle = False
+            if engine.has_unfinished_requests():
+                outputs.send(("step", [_delta(o, sent) for o in engine.step()], engine.get_metrics()))
+    except EOFError:  # the server went away
+        return
+    except BaseException as e:
+        outputs.send(("error", e))
+        raise
+
+
+@dataclass
+class _Request:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+
+
+class EngineProcess(_Background):
+    """The engine in a process of its own (spawned: CUDA does not survive a fork). Commands go
+    down one pipe; each step's output deltas and metrics come up another, read by a thread here
+    that rebuilds the cumulative RequestOutputs and delivers them. Start-up errors (bad engine
+    options) are raised here."""
+
+    def __init__(self, engine_args: dict, on_step=None):
+        super().__init__(on_step)
+        ctx = multiprocessing.get_context("spawn")
+        commands, self._commands = ctx.Pipe(duplex=False)
+        self._outputs, outputs = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_engine_main, args=(engine_args, commands, outputs),
+                                    name="picovllm-engine", daemon=True)
+        self._process.start()
+        commands.close()
+        outputs.close()
+        kind, info = self._outputs.recv()
+        if kind == "error":
+            self._process.join()
+            raise info
+        self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
+        self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
+        self._metrics: dict[str, int] = {}
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # sends come from the event loop and from shutdown
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="picovllm-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def get_metrics(self) -> dict[str, int]:
+        return self._metrics  # as of the engine's last step
+
+    def _send(self, cmd: tuple | None) -> None:
+        if cmd is not None and cmd[0] == "add":
+            self._requests[cmd[1]] = _Request(cmd[2], cmd[3])
+        elif cmd is not None:
+            self._requests.pop(cmd[1], None)
+        with self._lock:
+            self._commands.send(cmd)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        try:
+            self._send(None)
+        except OSError:  # the process is gone already
+            pass
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+        self._reader.join(timeout=10)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._outputs.recv()
+                if msg[0] == "error":
+                    raise msg[1]
+                _, deltas, self._metrics = msg
+                self._deliver_step([out for d in deltas if (out := self._rebuild(*d)) is not None])
+        except EOFError:
+            if not self._closing:
+                self._fail(EngineDeadError(f"the engine process exited (code {self._process.exitcode})"))
+        except BaseException as e:
+            self._fail(e)
+
+    def _rebuild(self, request_id: str, comps: list[tuple], finished: bool, num_cached: int) -> RequestOutput | None:
+        req = self._requests.get(request_id)
+        if req is None:  # aborted meanwhile
+            return None
+        outputs = []
+        for index, (tokens, (kept, text), logprobs, cumulative, reason, stop) in enumerate(comps):
+            prev = req.outputs.get(index)
+            if prev is not None:
+                tokens, text = prev.token_ids + tokens, prev.text[:kept] + text
+                logprobs = None if logprobs is None else prev.logprobs + logprobs
+            req.outputs[index] = CompletionOutput(index, text, tokens, cumulative, logprobs, reason, stop)
+            outputs.append(req.outputs[index])
+        if finished:
+            del self._requests[request_id]
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, num_cached)
+
+
+def start_background_engine(engine_args: dict, in_process: bool = False) -> AsyncEngine | EngineProcess:
+    """A server's engine: in a process of its own (the default), or on a thread of this one."""
+    return AsyncEngine(LLMEngine.from_engine_args(**engine_args)) if in_process else EngineProcess(engine_args)

@@ -30,7 +30,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
 
     def on_step(self, engine, outputs) -> None:
-        """Called on the engine thread after each step."""
+        """Called after each step (on the engine thread, or on the thread reading the engine process)."""
         m = engine.get_metrics()
         self.running.set(m["num_running"])
         self.waiting.set(m["num_waiting"])

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, EngineProcess
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -61,14 +61,14 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncEngine | EngineProcess, served_model_name: str, api_key: str | None = None,
               sampling_defaults: dict | None = None) -> FastAPI:
     app = FastAPI(title="Pico-vLLM OpenAI-compatible server")
     defaults = sampling_defaults or {}
     metrics = ServerMetrics()
     engine.on_step = metrics.on_step
     tokenizer = engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    max_model_len = engine.max_model_len
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -140,7 +140,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
         need_tokenizer()
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
