@@ -18,7 +18,7 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps")):
 def main(dt: str) -> None:
     p = f"*{dt}"
     ptrs = {n: p for n in ("q", "k", "v", "q_out", "k_cache", "v_cache", "out", "x", "weight", "gate_up", "cos", "sin",
-                            "bias", "norm_weight", "residual", "k_new", "v_new")}
+                            "bias", "norm_weight", "residual")}
     ptrs.update(block_tables="*i64", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
                 part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32", work="*i64")
     precision = "ieee" if dt == "fp32" else "tf32"
@@ -28,8 +28,8 @@ def main(dt: str) -> None:
         (prefill_attention._prefill_merge_kernel,
          dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
         *[(decode_attention._decode_partition_kernel,
-           dict(SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision, MIXED=mixed, ROPE=rope))
-          for splits in (1, 16) for mixed, rope in ((False, False), (True, False), (False, True))],
+           dict(SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision, MIXED=mixed))
+          for splits in (1, 16) for mixed in (False, True)],
         *[(decode_attention._decode_merge_kernel, dict(SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
           for mixed in (False, True)],
         (kv_store._rope_store_kernel, dict(BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),

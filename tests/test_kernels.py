@@ -126,34 +126,6 @@ def test_decode_attention_split_k(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_with_rope_and_store_inside(dtype):
-    """Decode with RoPE and the K/V store inside the kernel (q, k, v as views of one projection,
-    as the model passes them) equals rope_and_store then attention: the same cache bit for bit
-    (a padding slot stores nothing), the same output."""
-    block_size, heads, kv_heads, dim = 4, 6, 2, 24
-    prefix = [0, 3, 4, 40, 201]  # the new token opens a block, ends one, and lies deep in the context
-    _, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, [1] * len(prefix), prefix, block_size, heads=heads,
-                                                      kv_heads=kv_heads, dim=dim, seed=4)
-    g = torch.Generator().manual_seed(5)
-    qkv = torch.randn(len(prefix), (heads + 2 * kv_heads) * dim, generator=g).to(dtype).to(DEV)
-    q, k, v = (t.view(len(prefix), -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
-    angles = (ctx - 1).float()[:, None].cpu() * 10000 ** (-torch.arange(dim // 2) / (dim // 2))
-    cos, sin = (f(angles).to(dtype).to(DEV) for f in (torch.cos, torch.sin))
-    pos = ctx - 1  # each new token's slot, through the block table; one padding row (-1)
-    slots = (tables.gather(1, (pos // block_size)[:, None].long())[:, 0] * block_size + pos % block_size).long()
-    slots[1] = -1
-    ref_k, ref_v = kc.clone(), vc.clone()
-    q_rot = rope_and_store_ref(q, k, v, cos, sin, ref_k, ref_v, slots)
-    plan = plan_paged_attention(tables, ctx, qsl, block_size, 1, int(ctx.max()))
-    ref = paged_attention_ref(q_rot, ref_k, ref_v, plan, scale)
-    for splits in (1, None, 32):
-        ours_k, ours_v = kc.clone(), vc.clone()
-        out = decode_attention_triton(q, ours_k, ours_v, tables, ctx, scale, splits, rope=(k, v, cos, sin, slots))
-        assert torch.equal(ours_k, ref_k) and torch.equal(ours_v, ref_v)
-        _close(out, ref, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype):
     """A mixed step: single-query sequences (decodes, short and long contexts) through the
     decode kernel, the others through the prefill kernel (which skips them), into one output."""

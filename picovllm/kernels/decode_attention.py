@@ -10,7 +10,6 @@ exit at once. The reference is paged_attention_ref (paged_attention.py), which s
 q_len=1 case."""
 import torch
 
-from picovllm.kernels.kv_store import rope_heads
 from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
@@ -48,12 +47,11 @@ def _sequence(query_start_loc, context_lens, b, SPLITS: tl.constexpr, BLOCK_N: t
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _decode_partition_kernel(
     q, k_cache, v_cache, block_tables, context_lens, query_start_loc, part_acc, part_m, part_l, out,
-    k_new, v_new, cos, sin, slot_mapping,
     s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
-    s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct,
+    s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
     scale, block_size, head_dim, group,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, MIXED: tl.constexpr, ROPE: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,22 +69,8 @@ def _decode_partition_kernel(
     heads = kvh * group + g
     gmask = g < group
     dmask = d < head_dim
-    if ROPE:  # q, k_new, v_new as projected: rotate here, and store the new K/V (see decode_attention_triton)
-        half = head_dim // 2
-        qv = rope_heads(q, row, heads, d, s_qb, s_qh, s_qd, cos, sin, s_ct, gmask[:, None] & dmask[None, :], half)
-        slot = tl.load(slot_mapping + row).to(tl.int64)
-        if split == (ctx - 1) // part and slot >= 0:  # this slice ends with the new token
-            one = (g < 1)[:, None] & dmask[None, :]  # a [BLOCK_G, BLOCK_D] tile, row 0 used
-            kv_head = kvh + g * 0
-            kr = rope_heads(k_new, row, kv_head, d, s_kt, s_kh, s_kd, cos, sin, s_ct, one, half)
-            vr = tl.load(v_new + row * s_vt + kv_head[:, None] * s_vh + d[None, :] * s_vd, mask=one)
-            blk, off = slot // block_size, slot % block_size
-            tl.store(k_cache + blk * c_kb + off * c_ks + kv_head[:, None] * c_kh + d[None, :] * c_kd, kr, mask=one)
-            tl.store(v_cache + blk * c_vb + off * c_vs + kv_head[:, None] * c_vh + d[None, :] * c_vd, vr, mask=one)
-            tl.debug_barrier()  # stored before any thread of this program reads its slice
-    else:
-        qv = tl.load(q + row * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
-                     mask=gmask[:, None] & dmask[None, :], other=0.0)
+    qv = tl.load(q + row * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
+                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -129,15 +113,10 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc
 def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             splits: int | None = None, query_start_loc: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
     splits: per (sequence, KV head), a power of two; unless given, num_splits(B, kv_heads), and at
     least MIXED_SPLITS in a mixed batch.
-
-    rope = (key, value, cos, sin, slot_mapping), decode batches only: the query and this step's
-    key/value as projected, before RoPE (as rope_and_store takes them): each program rotates its
-    queries, and the one whose slice ends with the new token rotates the key and stores K and V
-    in the cache before it reads it; one launch per layer less than rope_and_store first.
 
     Mixed batch (query_start_loc given): query holds the tokens of B sequences end to end; only
     the sequences with exactly one query are attended, into their rows of `out` (the prefill
@@ -161,17 +140,13 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         part_strides = (0,) * 5
     qsl = query_start_loc if mixed else context_lens  # (unread when not mixed)
     block_d = next_pow2(head_dim)
-    assert rope is None or not mixed, "RoPE inside the decode kernel serves decode batches"
-    key, value, cos, sin, slot_mapping = rope if rope is not None else (query, query, query, query, context_lens)
-    rope_strides = (*key.stride(), *value.stride(), cos.stride(0)) if rope is not None else (0,) * 7
     _decode_partition_kernel[(batch, num_kv_heads, max_splits)](
         query, k_cache, v_cache, block_tables, context_lens, qsl, part_acc, part_m, part_l, out,
-        key, value, cos, sin, slot_mapping,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *part_strides, out.stride(0), out.stride(1), *rope_strides,
+        *part_strides, out.stride(0), out.stride(1),
         scale, k_cache.shape[1], head_dim, group,
         SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        PRECISION=dot_precision(query.dtype), MIXED=mixed, ROPE=rope is not None, **pdl(query),
+        PRECISION=dot_precision(query.dtype), MIXED=mixed, **pdl(query),
     )
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](

@@ -43,24 +43,6 @@ def _rotate(x, t, h, d, s_xt, s_xh, s_xd, c, s, mask, half):
 
 
 @triton.jit
-def rope_heads(x, t, heads, d, s_xt, s_xh, s_xd, cos, sin, s_ct, mask, half):
-    """Heads `heads` of token t, rotated, as one [heads, BLOCK_D] tile over the whole head (d:
-    0..BLOCK_D), rounded as _rotate rounds: for the decode attention kernel, which rotates its
-    queries and the new key itself."""
-    first = d < half
-    j = tl.where(first, d, d - half)
-    c = tl.load(cos + t * s_ct + j, mask=d < 2 * half).to(tl.float32)
-    s = tl.load(sin + t * s_ct + j, mask=d < 2 * half).to(tl.float32)
-    base = x + t * s_xt + heads[:, None] * s_xh
-    xv = tl.load(base + d[None, :] * s_xd, mask=mask).to(tl.float32)
-    xp = tl.load(base + tl.where(first, d + half, d - half)[None, :] * s_xd, mask=mask).to(tl.float32)
-    dt = x.dtype.element_ty
-    a = (xv * c[None, :]).to(dt).to(tl.float32)
-    b = (xp * s[None, :]).to(dt).to(tl.float32)
-    return tl.where(first[None, :], a - b, a + b).to(dt)
-
-
-@triton.jit
 def _rope_store_kernel(
     q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
     s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct, s_ot, s_oh,

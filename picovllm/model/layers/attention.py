@@ -64,12 +64,12 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """q, k, v: [num_tokens, heads, head_dim] before RoPE; cos_sin: each token's rotation."""
-        if meta.max_query_len == 1 and use_triton(q):  # decode: RoPE and the K/V store in the attention kernel
-            return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                           self.scale, rope=(k, v, *cos_sin, meta.slot_mapping))
         q = rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
         if not use_triton(q):
             return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, self.scale)
+        if meta.max_query_len == 1:
+            return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                           self.scale)
         # A mixed step: sequences with one query (decodes) go to the decode kernel, which reads
         # each KV head once for its whole query group and splits long contexts; the rest to the
         # prefill kernel; both write their rows of one output.
