@@ -91,6 +91,13 @@ def _gemv_kernel(
         if SILU_MUL:
             acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
     else:
+        # the first weight tile's loads before the wait (ONE_TILE issues all of them there), each
+        # next tile's after the current one's products: H200, batch 1: 1.496 -> 1.485 ms per step
+        k = tl.arange(0, BLOCK_K)
+        wmask = nmask[:, None] & (k[None, :] < K)
+        w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+        if SILU_MUL:
+            wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
         pdl_wait(USE_PDL)
         if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
@@ -103,16 +110,18 @@ def _gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
-            wmask = nmask[:, None] & kmask[None, :]
-            w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
             xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
                          other=0.0).to(tl.float32)
             if HAS_NORM:
                 xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
             acc += _rows_times_tile(xv, w, dt, DOT, PRECISION)
             if SILU_MUL:
-                wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
                 acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
+            nk = k + BLOCK_K  # the next tile (past K: masked, nothing read)
+            wmask = nmask[:, None] & (nk[None, :] < K)
+            w = tl.load(weight + n[:, None] * s_wn + nk[None, :] * s_wk, mask=wmask, other=0.0)
+            if SILU_MUL:
+                wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + nk[None, :] * s_wk, mask=wmask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
