@@ -52,8 +52,6 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--output-len", type=int, default=128)
     srv.add_argument("--disable-frontend-multiprocessing", action="store_true",
                      help="in-process server: the engine on a thread of the server's process (as `picovllm serve`)")
-    srv.add_argument("--gil-switch-interval-ms", type=float, default=None,
-                     help="in-process server: Python's GIL switch interval (default: the server's, 0.5; Python's: 5)")
     srv.add_argument("--save-dir", default=None, help="write serve_results.json and serve_latency.png here")
     srv.add_argument("--seed", type=int, default=0)
     srv.set_defaults(func=_serve)
@@ -99,9 +97,8 @@ def _serve(args: argparse.Namespace) -> int:
         name = name or args.model or "default"
         vocab = min(vocab, engine.vocab_size)
         url, stop = serve_in_thread(build_app(engine, name, args.api_key))
+        prepare_process()
         probe = EngineProbe(engine)
-        ms = args.gil_switch_interval_ms
-        prepare_process(*(() if ms is None else (ms / 1e3,)))
     try:
         run_serve_bench(url, name, args.num_prompts, args.concurrency, args.request_rate, args.input_len,
                         args.output_len, vocab, args.api_key, args.seed, args.save_dir,
