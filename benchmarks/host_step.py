@@ -1,10 +1,13 @@
-# Usage: PYTHONPATH=. python benchmarks/host_step.py [step|ttft|detok]  (CPU; needs the test dependencies)
+# Usage: PYTHONPATH=. python benchmarks/host_step.py [step|ttft|detok|sse]  (CPU; needs the test dependencies)
 """Host time with the forward stubbed out (tiny vocab logits), on the CPU:
 step: a step at batch 256: scheduler, input building, sampling tensors, sampler on 307-wide
       logits, output processing;
 ttft: a prefix-cache hit as `picovllm bench prefix` scenario b times it: LLM.generate of a
       2,083 + 40-token prompt whose 2,083 are cached, max_tokens=1 (validation, scheduling with
-      the prefix match, inputs, sampling, outputs)."""
+      the prefix match, inputs, sampling, outputs);
+detok: incremental detokenization per token, 64 streams;
+sse: the server's CPU time per streamed token (SSE chunk) on its HTTP thread, the engine stubbed
+      out (a step every 3 ms, a token for each of 64 streams), clients in processes of their own."""
 import sys
 import tempfile
 import time
@@ -97,5 +100,61 @@ def detok() -> None:
         print(f"detokenizer, {name}: {best_of(timed) * 1e6:.1f} us per token")
 
 
+def sse() -> None:
+    import queue
+    import threading
+
+    from picovllm.bench import serve as bench_serve
+    from picovllm.bench.serve import _thread_cpu_s
+    from picovllm.entrypoints.openai.async_engine import _Background
+    from picovllm.entrypoints.openai.server import build_app, serve_in_thread
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    class StubEngine(_Background):
+        """Every 3 ms, one more token ("ab") for each request, until its max_tokens."""
+        vocab_size, max_model_len = 30000, 4096
+
+        def __init__(self):
+            super().__init__()
+            self.commands, self.running = queue.SimpleQueue(), {}
+            threading.Thread(target=self.run, name="picovllm-engine", daemon=True).start()
+
+        def _send(self, cmd):
+            self.commands.put(cmd)
+
+        def get_metrics(self):
+            return dict(num_running=len(self.running), num_waiting=0, kv_blocks_free=1, kv_blocks_total=1,
+                        prefix_cache_hit_tokens=0, prefix_cache_queried_tokens=0)
+
+        def run(self):
+            while True:
+                time.sleep(0.003)
+                while not self.commands.empty():
+                    cmd = self.commands.get()
+                    if cmd[0] == "add":
+                        self.running[cmd[1]] = (cmd[3], cmd[4].max_tokens, [])
+                    else:
+                        self.running.pop(cmd[1], None)
+                outs = []
+                for rid, (ids, max_tokens, tokens) in list(self.running.items()):
+                    tokens.append(7)
+                    done = len(tokens) == max_tokens
+                    outs.append(RequestOutput(rid, None, ids, [CompletionOutput(
+                        0, "ab" * len(tokens), list(tokens), finish_reason="length" if done else None)], done))
+                    if done:
+                        del self.running[rid]
+                self._deliver_step(outs)
+
+    url, stop = serve_in_thread(build_app(StubEngine(), "stub"))
+    http = next(t for t in threading.enumerate() if t.name == "picovllm-http")
+    for _ in range(3):
+        cpu = _thread_cpu_s(http)
+        summary = bench_serve.run_serve_bench(url, "stub", num_prompts=256, concurrency=64, input_len=16, output_len=128,
+                                  client_processes=2)
+        tokens = summary["output_tok_s"] * summary["seconds"]
+        print(f"HTTP thread CPU per streamed token: {(_thread_cpu_s(http) - cpu) / tokens * 1e6:.1f} us")
+    stop()
+
+
 if __name__ == "__main__":
-    {"step": step, "ttft": ttft, "detok": detok}[sys.argv[1] if len(sys.argv) > 1 else "step"]()
+    {"step": step, "ttft": ttft, "detok": detok, "sse": sse}[sys.argv[1] if len(sys.argv) > 1 else "step"]()

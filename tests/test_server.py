@@ -120,6 +120,7 @@ def _post(url, path, body, key=KEY):
     ("/v1/completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "Hi " * 400}, 400, None),
     ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, None),
+    ("/v1/completions", {"prompt": [1, 2.5]}, 400, None),
     ("/v1/completions", {"prompt": ""}, 400, None),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from picovllm.sampling_params import SamplingParams
 
@@ -54,7 +54,9 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # token ids tried first and strictly (no "12" -> 12): pydantic's default "smart" union tried
+    # every member, 69 us for a 512-token prompt against 7 us, on the thread that streams tokens
+    prompt: list[StrictInt] | str | list[str] | list[list[StrictInt]] = Field(union_mode="left_to_right")
     logprobs: int | None = None
     echo: bool = False
 
