@@ -2,6 +2,7 @@
 # The GPU run: the test suite with the engine on CUDA, the benchmarks, then a short table.
 # Usage (on the lent GPU, from the repo root): bash scripts/gpu_check.sh [STAGE ...]
 #   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
+#   tests_fast: the tests stage without the two transformers parity tests (about 300 s),
 #   tests_engine: the rest of the test suite with the engine on CUDA,
 #   sweeps: benchmarks/attention_sweep.py and gemv_sweep.py at 40 rows (about 2 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
@@ -34,6 +35,12 @@ for stage in $STAGES; do
       PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests/test_cuda.py tests/test_kernels.py tests/test_cuda_graph.py \
           -s -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/tests.log" \
           | grep -E "passed|failed|FAILED|Error|^[0-9.]+s (call|setup)|^(fp32|bf16|CUDA graph|kernels vs|fused|trained|mixed|async)" | tail -30 ;;
+    tests_fast)
+      echo "== GPU tests without the transformers parity tests (fp32 parity, bf16 logits: ~170 s of the 480) =="
+      PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests/test_cuda.py tests/test_kernels.py tests/test_cuda_graph.py \
+          -k "not test_fp32_greedy_parity and not test_bf16_logits_and_greedy" \
+          -s -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/tests_fast.log" \
+          | grep -E "passed|failed|FAILED|Error|^[0-9.]+s (call|setup)|^(CUDA graph|kernels vs|fused|trained|mixed|async|bf16 on)" | tail -30 ;;
     tests_engine)
       echo "== the rest of the suite with the engine on CUDA =="
       PICOVLLM_TEST_DEVICE=cuda python3 -m pytest tests -p no:cacheprovider --ignore=tests/test_cuda.py \
