@@ -250,7 +250,11 @@ class EngineProcess(_Background):
         self._process.start()
         commands.close()
         outputs.close()
-        kind, info = self._outputs.recv()
+        try:
+            kind, info = self._outputs.recv()
+        except EOFError:  # it died before it could say why (its traceback, if any, is on stderr)
+            self._process.join()
+            raise RuntimeError(f"the engine process exited while starting (code {self._process.exitcode})") from None
         if kind == "error":
             self._process.join()
             raise info
@@ -275,15 +279,16 @@ class EngineProcess(_Background):
             self._requests[cmd[1]] = _Request(cmd[2], cmd[3])
         elif cmd is not None:
             self._requests.pop(cmd[1], None)
-        with self._lock:
-            self._commands.send(cmd)
+        try:
+            with self._lock:
+                self._commands.send(cmd)
+        except OSError as e:  # the process is gone: nothing to abort; an add fails as a dead engine
+            if cmd is not None and cmd[0] == "add":
+                raise EngineDeadError(f"the engine process has exited (code {self._process.exitcode})") from e
 
     def shutdown(self) -> None:
         self._closing = True
-        try:
-            self._send(None)
-        except OSError:  # the process is gone already
-            pass
+        self._send(None)
         self._process.join(timeout=10)
         if self._process.is_alive():
             self._process.kill()
