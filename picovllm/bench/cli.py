@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 
 
 def _ints(s: str) -> list[int]:
@@ -107,4 +108,5 @@ def _serve(args: argparse.Namespace) -> int:
         if stop is not None:
             stop()
             engine.shutdown()
+            gc.unfreeze()  # (see picovllm serve)
     return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 from picovllm.sampling_params import SamplingParams
@@ -179,6 +180,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
+        gc.unfreeze()  # collectable at exit again (Triton's bindings report what outlives them as leaks)
     return 0
 
 

@@ -225,6 +225,8 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     except BaseException as e:
         outputs.send(("error", e))
         raise
+    finally:
+        gc.unfreeze()  # collectable at exit again (Triton's bindings report what outlives them as leaks)
 
 
 @dataclass
