@@ -238,14 +238,15 @@ def test_echo_token_prompts_and_chat_tokenize(server, client):
     assert chat.usage.prompt_tokens == len(toks)
 
 
-def test_prepare_process_freezes_the_start_up_heap():
+def test_frozen_heap_freezes_the_start_up_heap_and_unfreezes_it():
     import gc
 
-    from picovllm.entrypoints.openai.server import prepare_process
+    from picovllm.entrypoints.openai.async_engine import frozen_heap
 
     try:
-        prepare_process()
-        assert gc.get_freeze_count() > 1000  # every module and object alive at start-up
+        with frozen_heap():
+            assert gc.get_freeze_count() > 1000  # every module and object alive at start-up
+        assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 
 
 def _ints(s: str) -> list[int]:
@@ -88,25 +88,23 @@ def _prefix(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from picovllm.bench.serve import EngineProbe, run_serve_bench
     from picovllm.entrypoints.cli import engine_kwargs
+    from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
 
-    name, url, stop, vocab, probe = args.served_model_name, args.base_url, None, 30000, None
+    name, url, stop, vocab = args.served_model_name, args.base_url, None, 30000
     if url is None:
-        from picovllm.entrypoints.openai.async_engine import start_background_engine
-        from picovllm.entrypoints.openai.server import build_app, prepare_process, serve_in_thread
+        from picovllm.entrypoints.openai.server import build_app, serve_in_thread
 
         engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
         name = name or args.model or "default"
         vocab = min(vocab, engine.vocab_size)
         url, stop = serve_in_thread(build_app(engine, name, args.api_key))
-        prepare_process()
-        probe = EngineProbe(engine)
     try:
-        run_serve_bench(url, name, args.num_prompts, args.concurrency, args.request_rate, args.input_len,
-                        args.output_len, vocab, args.api_key, args.seed, args.save_dir,
-                        probe=probe)
+        with frozen_heap() if stop is not None else contextlib.nullcontext():  # (as picovllm serve)
+            run_serve_bench(url, name, args.num_prompts, args.concurrency, args.request_rate, args.input_len,
+                            args.output_len, vocab, args.api_key, args.seed, args.save_dir,
+                            probe=EngineProbe(engine) if stop is not None else None)
     finally:
         if stop is not None:
             stop()
             engine.shutdown()
-            gc.unfreeze()  # (see picovllm serve)
     return 0

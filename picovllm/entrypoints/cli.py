@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 
 from picovllm.sampling_params import SamplingParams
@@ -163,8 +162,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from picovllm.entrypoints.openai.async_engine import start_background_engine
-    from picovllm.entrypoints.openai.server import build_app, prepare_process
+    from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
+    from picovllm.entrypoints.openai.server import build_app
     from picovllm.model.loader.builtin import DEFAULT_MODEL
 
     args.model = args.model_tag or args.model
@@ -175,12 +174,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
     engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
     app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
-    prepare_process()
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        engine.shutdown()
-        gc.unfreeze()  # collectable at exit again (Triton's bindings report what outlives them as leaks)
+    with frozen_heap():
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        finally:
+            engine.shutdown()
     return 0
 
 

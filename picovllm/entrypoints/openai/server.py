@@ -6,7 +6,6 @@ unknown model. A streaming client that disconnects aborts its request, which fre
 """
 from __future__ import annotations
 
-import gc
 import json
 import socket
 import threading
@@ -201,15 +200,6 @@ def build_app(engine: AsyncEngine | EngineProcess, served_model_name: str, api_k
 
     app.include_router(v1)
     return app
-
-
-def prepare_process() -> None:
-    """Once the engine and app are built: collect, then move every object alive now (the model,
-    the imported modules) out of the collector's view, as vLLM's server does, so that the full
-    collections a long-running server triggers do not walk them while every stream waits (a full
-    collection of the start-up heap took 90-125 ms on the H200 machine)."""
-    gc.collect()
-    gc.freeze()
 
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Callable[[], None]]:
