@@ -14,7 +14,9 @@ rounded to the model dtype, as are the linear output, the SiLU output and the re
 At one row the products are reduced on CUDA cores; on the H200 this beats cuBLAS plus the
 separate norm / activation / add kernels on every projection of Qwen2.5-1.5B. At eight rows that
 reduction lost 4x to cuBLAS's tensor cores (benchmarks/README.md); from two rows on the kernel
-therefore multiplies on tensor cores (tl.dot, rows padded to 16), not yet measured on the GPU.
+therefore multiplies on tensor cores (tl.dot, rows padded to 16): at 40 rows level with cuBLAS
+except on the down projection (17.4 against 9.1 us: cuBLAS splits its K = 8,960), so the model
+keeps cuBLAS there (model/layers/linear.py).
 """
 from __future__ import annotations
 
@@ -50,6 +52,18 @@ def _normed(xv, rstd, norm_weight, k, kmask, dt):
 
 
 @triton.jit
+def _weight_tiles(weight, n, k, nmask, K, s_wn, s_wk, up_offset, SILU_MUL: tl.constexpr):
+    """Weight rows n over columns k (past K: masked, nothing read), and with SILU_MUL the matching
+    up rows (n + up_offset) of a fused gate_up (without it, wu is w: unused)."""
+    wmask = nmask[:, None] & (k[None, :] < K)
+    w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+    wu = w
+    if SILU_MUL:
+        wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+    return w, wu
+
+
+@triton.jit
 def _rows_times_tile(xv, w, dt, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """[M, K] rows times an [N, K] weight tile, transposed: [M, N] in fp32. DOT: on tensor cores
     (tl.dot; M, N, K >= 16); otherwise a broadcast product reduced on CUDA cores."""
@@ -77,10 +91,7 @@ def _gemv_kernel(
     if ONE_TILE:  # K <= BLOCK_K: weight loads are issued first, their latency hides the norm's
         k = tl.arange(0, BLOCK_K)
         kmask = k < K
-        wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
-        if SILU_MUL:
-            wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+        w, wu = _weight_tiles(weight, n, k, nmask, K, s_wn, s_wk, up_offset, SILU_MUL)
         pdl_wait(USE_PDL)  # (with PDL the weight loads also overlap the previous kernel)
         xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
                      other=0.0).to(tl.float32)
@@ -93,11 +104,7 @@ def _gemv_kernel(
     else:
         # the first weight tile's loads before the wait (ONE_TILE issues all of them there), each
         # next tile's after the current one's products: H200, batch 1: 1.496 -> 1.485 ms per step
-        k = tl.arange(0, BLOCK_K)
-        wmask = nmask[:, None] & (k[None, :] < K)
-        w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
-        if SILU_MUL:
-            wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+        w, wu = _weight_tiles(weight, n, tl.arange(0, BLOCK_K), nmask, K, s_wn, s_wk, up_offset, SILU_MUL)
         pdl_wait(USE_PDL)
         if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
@@ -117,11 +124,7 @@ def _gemv_kernel(
             acc += _rows_times_tile(xv, w, dt, DOT, PRECISION)
             if SILU_MUL:
                 acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
-            nk = k + BLOCK_K  # the next tile (past K: masked, nothing read)
-            wmask = nmask[:, None] & (nk[None, :] < K)
-            w = tl.load(weight + n[:, None] * s_wn + nk[None, :] * s_wk, mask=wmask, other=0.0)
-            if SILU_MUL:
-                wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + nk[None, :] * s_wk, mask=wmask, other=0.0)
+            w, wu = _weight_tiles(weight, n, k + BLOCK_K, nmask, K, s_wn, s_wk, up_offset, SILU_MUL)  # the next
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
@@ -140,7 +143,8 @@ def gemv_config(rows: int, n: int, k: int) -> dict:
     """One row: tiles from a sweep on the H200 (benchmarks/README.md): wide K tiles (2048) and 2
     output rows per program (over 700 programs for every projection of Qwen2.5-1.5B); 8 for the
     LM head; at most 16K products in registers. Several rows: tensor cores (tl.dot, rows padded
-    to 16 or more), 32 x 128 weight tiles: not yet swept (benchmarks/gemv_sweep.py)."""
+    to 16 or more), 32 x 128 weight tiles (the 40-row sweep's best tiles differ by projection:
+    benchmarks/README.md)."""
     if rows > 1:
         return dict(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=32, BLOCK_K=128, DOT=True)
     block_n = 8 if n >= 65536 else 2

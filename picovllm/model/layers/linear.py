@@ -25,8 +25,9 @@ from picovllm.kernels.triton_utils import use_triton
 GEMV_ENABLED = os.environ.get("PICOVLLM_DISABLE_GEMV", "") in ("", "0")  # for before/after benchmarks
 # Rows up to which the fused GEMV replaces cuBLAS plus the separate norm / SiLU*mul / add kernels.
 # On the H200 the one-row version wins; the CUDA-core version lost 4x at eight rows; the
-# tensor-core version (two rows and more) is not measured yet: PICOVLLM_GEMV_MAX_ROWS=64 turns it
-# on for the A/B (benchmarks/README.md).
+# tensor-core version (two rows and more) is level with cuBLAS at 40 rows except on the down
+# projection (2x slower), so it stays off: PICOVLLM_GEMV_MAX_ROWS=64 turns it on for experiments
+# (benchmarks/README.md).
 GEMV_MAX_ROWS = min(int(os.environ.get("PICOVLLM_GEMV_MAX_ROWS", "1")), MAX_ROWS)
 
 
