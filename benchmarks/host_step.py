@@ -104,8 +104,7 @@ def sse() -> None:
     import queue
     import threading
 
-    from picovllm.bench import serve as bench_serve
-    from picovllm.bench.serve import _thread_cpu_s
+    from picovllm.bench.serve import _thread_cpu_s, run_serve_bench
     from picovllm.entrypoints.openai.async_engine import _Background
     from picovllm.entrypoints.openai.server import build_app, serve_in_thread
     from picovllm.outputs import CompletionOutput, RequestOutput
@@ -149,7 +148,7 @@ def sse() -> None:
     http = next(t for t in threading.enumerate() if t.name == "picovllm-http")
     for _ in range(3):
         cpu = _thread_cpu_s(http)
-        summary = bench_serve.run_serve_bench(url, "stub", num_prompts=256, concurrency=64, input_len=16, output_len=128,
+        summary = run_serve_bench(url, "stub", num_prompts=256, concurrency=64, input_len=16, output_len=128,
                                   client_processes=2)
         tokens = summary["output_tok_s"] * summary["seconds"]
         print(f"HTTP thread CPU per streamed token: {(_thread_cpu_s(http) - cpu) / tokens * 1e6:.1f} us")
