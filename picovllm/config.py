@@ -132,7 +132,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes for the KV pool; default on CPU: 4 GiB
+    kv_cache_memory: int | None = None  # bytes for the KV pool; set, it overrides gpu_memory_utilization (default on CPU: 2 GiB)
     num_gpu_blocks_override: int | None = None
     swap_space: float = 0.0  # GiB of (pinned) CPU pool for swap_out / swap_in
     load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)

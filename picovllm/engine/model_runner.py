@@ -165,14 +165,16 @@ class ModelRunner:
         """Blocks that fit the memory budget left after loading the model."""
         if engine_cfg.num_gpu_blocks_override is not None:
             return engine_cfg.num_gpu_blocks_override
-        if self.device.type == "cuda":
+        if engine_cfg.kv_cache_memory is not None:  # on any device (vLLM's kv_cache_memory_bytes)
+            budget = engine_cfg.kv_cache_memory
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             # headroom for activations: a tenth of what is left, at least 1 GiB
             budget = total * engine_cfg.gpu_memory_utilization - (total - free)
             budget -= max(1 << 30, 0.1 * budget)
         else:
-            budget = engine_cfg.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
         blocks = int(budget // self.kv_block_bytes())
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: lower the model size or raise "

@@ -45,7 +45,7 @@ def _engine_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache on CPU (default 2 GiB)")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache; overrides --gpu-memory-utilization (default on CPU: 2 GiB)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="run decode eagerly instead of replaying CUDA graphs captured at start-up (GPU only)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
