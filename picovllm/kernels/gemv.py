@@ -139,36 +139,41 @@ def _gemv_kernel(
     tl.store(out + m[:, None] * s_om + n[None, :], y, mask=omask)
 
 
-def gemv_config(rows: int, n: int, k: int) -> dict:
-    """One row: tiles from a sweep on the H200 (benchmarks/README.md): wide K tiles (2048) and 2
-    output rows per program (over 700 programs for every projection of Qwen2.5-1.5B); 8 for the
-    LM head; at most 16K products in registers. Several rows: tensor cores (tl.dot, rows padded
-    to 16 or more), 32 x 128 weight tiles (the 40-row sweep's best tiles differ by projection:
-    benchmarks/README.md)."""
+def gemv_config(rows: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) -> dict:
+    """Tiles and warps for `rows` rows of an [n, k] weight (n outputs: with silu_mul each program
+    reads 2 weight rows per output); norm: the RMSNorm is fused in.
+    One row: swept on the H200 as the model runs them, a whole step's GEMVs graphed under
+    programmatic dependent launch (`gemv_sweep.py chain`, benchmarks/README.md). K in one tile
+    (up to 2,048): with the norm fused, 4 weight rows per program on one warp (both reductions
+    stay within the warp: no shared memory, no barrier); without (the o projection), 8 rows on 2
+    warps. Deeper K (the down projection): 4,096-wide tiles of 4 rows on 8 warps.
+    Several rows: tensor cores (tl.dot, rows padded to 16 or more), 32 x 128 weight tiles (the
+    40-row sweep's best tiles differ by projection: benchmarks/README.md)."""
     if rows > 1:
         return dict(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=32, BLOCK_K=128, DOT=True)
-    block_n = 8 if n >= 65536 else 2
-    block_k = max(16, min(2048, next_pow2(k), 16384 // block_n))
-    return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, DOT=False)
+    if k > 2048:
+        return dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=4096, num_warps=8)
+    if norm:
+        return dict(BLOCK_M=1, BLOCK_N=2 if silu_mul else 4, BLOCK_K=max(16, next_pow2(k)), num_warps=1)
+    return dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=max(16, next_pow2(k)), num_warps=2)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
-                num_warps: int = 4) -> torch.Tensor:
+                residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None) -> torch.Tensor:
     rows, k = x.shape
     assert rows <= MAX_ROWS, f"gemv serves at most {MAX_ROWS} rows, got {rows}"
     assert not (silu_mul and bias is not None), "a fused gate_up has no bias"
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    cfg = {"DOT": False, **(config or gemv_config(rows, n, k))}
+    cfg = {"DOT": False, "num_warps": 4, **(config or gemv_config(rows, n, k, norm_weight is not None, silu_mul))}
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
         res, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         res.stride(0), out.stride(0), n, eps,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], PRECISION=dot_precision(x.dtype), num_warps=num_warps, **cfg,
+        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], PRECISION=dot_precision(x.dtype), **cfg,
         **pdl(x),
     )
     return out
