@@ -134,9 +134,11 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size, seed=2)
     plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
-    for splits in (1, None):
+    # one split; the default (8 splits of at least 128 keys: 2 used for 202 keys); 8 of at least 64 (4 used)
+    for splits, min_keys in ((1, None), (None, None), (None, 64)):
         out = torch.full_like(query, float("nan"))
-        decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl, out=out)
+        decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl, out=out,
+                                min_keys=min_keys)
         single_rows = qsl[:-1][torch.tensor(q_lens, device=DEV) == 1]
         assert not out[single_rows].isnan().any() and out.isnan().sum() > 0  # its rows, and only those
         prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16,

@@ -20,6 +20,10 @@ MAX_SPLITS = 32
 # number of them decode, so the batch size says nothing; num_splits(256 slots) = 1 had left 64 decodes
 # over ~600 keys to one program each (38 us per layer on the H200). Slots that do not decode exit.
 MIXED_SPLITS = 8
+# ... and each split at least this many keys. 64 decodes over ~600 keys plus a 64-token prompt
+# chunk (`profile_decode.py mixed 64 64`, H200, GPU us per step, partition + merge over 28 layers):
+# splits of 96 keys 599 + 386, of at least 128 keys 471 + 245, of at least 256 keys 770 + 795.
+MIXED_MIN_KEYS = 128
 
 
 def num_splits(batch: int, num_kv_heads: int) -> int:
@@ -29,10 +33,12 @@ def num_splits(batch: int, num_kv_heads: int) -> int:
 
 
 @triton.jit
-def _sequence(query_start_loc, context_lens, b, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIXED: tl.constexpr):
+def _sequence(query_start_loc, context_lens, b, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+              MIXED: tl.constexpr):
     """Sequence b as both kernels see it: the token row of its query; whether it has exactly one
     query (always so in a decode batch; in a mixed batch, the sequences with more belong to the
-    prefill kernel); its context length; and the keys per split (a whole number of key tiles)."""
+    prefill kernel); its context length; and the keys per split (a whole number of key tiles, at
+    least MIN_PART: the splits past the context exit)."""
     if MIXED:
         row = tl.load(query_start_loc + b)
         single = tl.load(query_start_loc + b + 1) - row == 1
@@ -40,7 +46,7 @@ def _sequence(query_start_loc, context_lens, b, SPLITS: tl.constexpr, BLOCK_N: t
         row = b
         single = True
     ctx = tl.load(context_lens + b)
-    part = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    part = tl.maximum(tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N, MIN_PART)
     return row, single, ctx, part
 
 
@@ -50,14 +56,14 @@ def _decode_partition_kernel(
     s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
     s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
     scale, block_size, head_dim, group,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MIN_PART: tl.constexpr,
     PRECISION: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     pdl_wait(USE_PDL)
-    row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIXED)
+    row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIN_PART, MIXED)
     if not single:
         return
     start = split * part
@@ -90,12 +96,12 @@ def _decode_partition_kernel(
 @triton.jit
 def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc, out,
                          s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, head_dim,
-                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIXED: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_PART: tl.constexpr,
+                         MIXED: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     pdl_wait(USE_PDL)
-    row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIXED)
+    row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIN_PART, MIXED)
     if not single:
         return
     s = tl.arange(0, SPLITS)
@@ -113,10 +119,11 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc
 def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             splits: int | None = None, query_start_loc: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, min_keys: int | None = None) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
     splits: per (sequence, KV head), a power of two; unless given, num_splits(B, kv_heads), and at
-    least MIXED_SPLITS in a mixed batch.
+    least MIXED_SPLITS in a mixed batch. min_keys: the fewest keys per split (rounded up to whole
+    key tiles; by default one tile, MIXED_MIN_KEYS in a mixed batch).
 
     Mixed batch (query_start_loc given): query holds the tokens of B sequences end to end; only
     the sequences with exactly one query are attended, into their rows of `out` (the prefill
@@ -140,17 +147,18 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         part_strides = (0,) * 5
     qsl = query_start_loc if mixed else context_lens  # (unread when not mixed)
     block_d = next_pow2(head_dim)
+    min_part = -(-(min_keys or (MIXED_MIN_KEYS if mixed else BLOCK_N)) // BLOCK_N) * BLOCK_N
     _decode_partition_kernel[(batch, num_kv_heads, max_splits)](
         query, k_cache, v_cache, block_tables, context_lens, qsl, part_acc, part_m, part_l, out,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, out.stride(0), out.stride(1),
         scale, k_cache.shape[1], head_dim, group,
-        SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, MIN_PART=min_part,
         PRECISION=dot_precision(query.dtype), MIXED=mixed, **pdl(query),
     )
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, context_lens, qsl, out, *part_strides, out.stride(0), out.stride(1), head_dim,
-            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIXED=mixed, **pdl(query),
+            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIN_PART=min_part, MIXED=mixed, **pdl(query),
         )
     return out
