@@ -274,3 +274,19 @@ def test_engine_process_start_up_error_and_death(tiny_qwen):
     finally:
         stop()
         engine.shutdown()
+
+
+def test_sse_event_templates_serialise_as_json_dumps():
+    """The per-token SSE events filled into a pre-serialised chunk are byte for byte what
+    json.dumps of the chunk gives, for text that JSON must escape, per choice index."""
+    import json
+
+    from picovllm.entrypoints.openai.server import _EventTemplates
+
+    def chunk(index, text):
+        return {"id": "cmpl-1", "model": 'm"\x00', "choices": [{"index": index, "text": text, "logprobs": None}]}
+
+    templates = _EventTemplates(chunk)
+    for index, text in [(0, "ab"), (0, 'quote " back \\ nl \n'), (1, "é😀\x00\u2028"), (0, "")]:
+        assert templates.event(index, text) == f"data: {json.dumps(chunk(index, text))}\n\n"
+    assert sorted(templates.parts) == [0, 1]
