@@ -4,12 +4,18 @@ options; each timing is 20 calls replayed from a CUDA graph (GPU only). Cases: t
 `picovllm bench prefix` scenario b (2,123 tokens), its warm hit (40 new tokens over 2,083 cached),
 and a serving chunk (448 tokens over 64 cached). "reversed": the work list longest-first.
 
-Usage: PYTHONPATH=. python benchmarks/attention_sweep.py"""
+Usage: PYTHONPATH=. python benchmarks/attention_sweep.py
+       PYTHONPATH=. python benchmarks/attention_sweep.py decode
+         the decode kernel (kernels/decode_attention.py) as a mixed-step graph of 128 tokens runs it:
+         64 decodes over 560-623 keys beside a 64-token prompt chunk, 128 sequence slots, over the
+         splits and the fewest keys per split; and as a decode step of the same 64 runs it."""
 import itertools
+import sys
 
 import torch
 
 from benchmarks.gemv_sweep import bench
+from picovllm.kernels.decode_attention import decode_attention_triton, num_splits
 from picovllm.kernels.prefill_attention import prefill_attention_triton, prefill_work
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 12, 2, 128, 16
@@ -52,5 +58,30 @@ def main() -> None:
                   f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
 
 
+def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    ctx = torch.zeros(slots, dtype=torch.int64, device="cuda")
+    ctx[:decodes] = torch.arange(560, 560 + decodes, device="cuda")
+    ctx[decodes] = chunk  # the prompt chunk's sequence (the prefill kernel's)
+    width = -(-int(ctx.max()) // BLOCK_SIZE)
+    num_blocks = (decodes + 1) * width
+    tables = torch.randperm(num_blocks, device="cuda").view(decodes + 1, width)
+    tables = torch.cat([tables, torch.zeros(slots - decodes - 1, width, dtype=tables.dtype, device="cuda")])
+    kc = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, DIM, **bf16)
+    vc = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, DIM, **bf16)
+    tokens = decodes + chunk
+    qsl = torch.full((slots + 1,), tokens, dtype=torch.int64, device="cuda")
+    qsl[: decodes + 1] = torch.arange(decodes + 1, device="cuda")
+    query, out = torch.randn(tokens, HEADS, DIM, **bf16), torch.empty(tokens, HEADS, DIM, **bf16)
+    scale = DIM ** -0.5
+    t = bench(lambda: decode_attention_triton(query[:decodes], kc, vc, tables[:decodes], ctx[:decodes], scale), reps=20)
+    print(f"decode step, {decodes} sequences, {num_splits(decodes, KV_HEADS)} splits: {t * 1e6:6.1f} us", flush=True)
+    for splits, min_keys in itertools.product((2, 4, 8, 16), (32, 64, 128, 192, 256, 320, 512)):
+        t = bench(lambda: decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl,
+                                                  out=out, min_keys=min_keys), reps=20)
+        print(f"mixed step, {decodes} decodes in {slots} slots, {splits:2d} splits of at least {min_keys:3d} keys: "
+              f"{t * 1e6:6.1f} us", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    decode() if sys.argv[1:] == ["decode"] else main()

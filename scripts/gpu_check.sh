@@ -4,7 +4,8 @@
 #   stages: tests latency throughput prefix serve (default: these; each fits one 10-minute call),
 #   tests_fast: the tests stage without the two transformers parity tests (about 300 s),
 #   tests_engine: the rest of the test suite with the engine on CUDA,
-#   sweeps: benchmarks/attention_sweep.py and gemv_sweep.py at 40 rows (about 2 minutes),
+#   sweeps: benchmarks/attention_sweep.py (prefill tiles; decode splits in mixed steps) and gemv_sweep.py at 40 rows,
+#   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
@@ -87,9 +88,13 @@ for stage in $STAGES; do
       done
       python3 benchmarks/profile_decode.py 1 graphs 2>&1 | grep -E "^decode|us/step" | head -8 ;;
     sweeps)
-      echo "== kernel sweeps: prefill attention tiles, tensor-core GEMV at 40 rows =="
+      echo "== kernel sweeps: prefill attention tiles, decode splits in mixed steps, tensor-core GEMV at 40 rows =="
       python3 benchmarks/attention_sweep.py 2>&1 | tee "$OUT/attention_sweep.log"
+      python3 benchmarks/attention_sweep.py decode 2>&1 | tee "$OUT/decode_sweep.log"
       python3 benchmarks/gemv_sweep.py 40 2>&1 | tee "$OUT/gemv_sweep.log" ;;
+    gemv_chain)
+      echo "== one-row GEMV tiles, a whole step's GEMVs graphed =="
+      python3 benchmarks/gemv_sweep.py chain 2>&1 | tee "$OUT/gemv_chain.log" ;;
     ab)
       echo "== the defaults against the engine with async scheduling and mixed-step graphs off =="
       for cfg in "sync_eager_mixed:--no-async-scheduling --mixed-graph-tokens 0" "sync:--no-async-scheduling" "defaults:"; do
