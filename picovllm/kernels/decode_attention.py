@@ -21,8 +21,9 @@ MAX_SPLITS = 32
 # over ~600 keys to one program each (38 us per layer on the H200). Slots that do not decode exit.
 MIXED_SPLITS = 8
 # ... and each split at least this many keys. 64 decodes over ~600 keys plus a 64-token prompt
-# chunk (`profile_decode.py mixed 64 64`, H200, GPU us per step, partition + merge over 28 layers):
-# splits of 96 keys 599 + 386, of at least 128 keys 471 + 245, of at least 256 keys 770 + 795.
+# chunk (`profile_decode.py mixed 64 64`, H200, with PDL on, so kernel times include overlap):
+# kernel time per step 3.42 ms with splits of 96 keys, 3.14 with at least 128, 3.99 with at least
+# 256; wall 3.74-3.89 / 3.49-3.84 / 3.84-3.85 ms (benchmarks/README.md).
 MIXED_MIN_KEYS = 128
 
 
