@@ -2,7 +2,8 @@
 (12 query heads, 2 KV heads, head_dim 128, block size 16, bf16) over a sweep of tiles and launch
 options; each timing is 20 calls replayed from a CUDA graph (GPU only). Cases: the cold prefill of
 `picovllm bench prefix` scenario b (2,123 tokens), its warm hit (40 new tokens over 2,083 cached),
-and a serving chunk (448 tokens over 64 cached). "reversed": the work list longest-first.
+and a serving chunk (448 tokens over 64 cached). "reversed": the work list longest-first. The
+warm hit also over key splits (num_splits() gives it 16; each split at least 2 key tiles).
 
 Usage: PYTHONPATH=. python benchmarks/attention_sweep.py
        PYTHONPATH=. python benchmarks/attention_sweep.py decode
@@ -39,10 +40,11 @@ def main() -> None:
         query, kc, vc, tables, ctx, qsl = inputs(new, cached)
         flops = 4 * HEADS * DIM * sum(cached + i + 1 for i in range(new))
 
-        def time(bm, bn, warps, stages, reverse=False):
+        def time(bm, bn, warps, stages, reverse=False, splits=None):
             work = torch.from_numpy(prefill_work([new], bm)[::-1 if reverse else 1].copy()).cuda()
             return bench(lambda: prefill_attention_triton(query, kc, vc, tables, ctx, qsl, DIM ** -0.5, new, block_m=bm,
-                                                          block_n=bn, work=work, num_warps=warps, num_stages=stages),
+                                                          block_n=bn, work=work, num_warps=warps, num_stages=stages,
+                                                          splits=splits),
                          reps=20)
 
         results = []
@@ -56,6 +58,11 @@ def main() -> None:
         for t, cfg, reverse in results[:3] + [r for r in results if r[1] == DEFAULT] + results[-1:]:
             print(f"{name:13s} BLOCK_M={cfg[0]:3d} BLOCK_N={cfg[1]:3d} warps={cfg[2]} stages={cfg[3]}"
                   f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
+        if cached > 10 * new:  # few queries over a long prefix: more key splits than num_splits() allows
+            for bn, splits in itertools.product((32, 64), (8, 16, 32, 64)):
+                t = time(64, bn, 4, 2, splits=splits)
+                print(f"{name:13s} BLOCK_M= 64 BLOCK_N={bn:3d} warps=4 stages=2 splits={splits:2d}: {t * 1e6:7.1f} us",
+                      flush=True)
 
 
 def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
