@@ -1,7 +1,7 @@
 """The vLLM-style API: prompt forms, output order, n > 1, stop handling, chat, logprobs, abort,
 and clear errors on bad input while the engine keeps serving."""
 import pytest
-from conftest import make_llm
+from conftest import engine_args, make_llm
 from hf_reference import hf_greedy
 
 from picovllm import LLMEngine, RequestOutputKind, SamplingParams
@@ -214,3 +214,17 @@ def test_max_tokens_none_runs_to_max_model_len(tiny_qwen):
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
     assert llm.generate([], use_tqdm=False) == []
+
+
+def test_kv_cache_memory_sizes_the_pool_on_any_device(tiny_qwen):
+    """kv_cache_memory, when given, sets the pool on any device (vLLM's kv_cache_memory_bytes;
+    on CUDA it overrides gpu_memory_utilization); num_gpu_blocks_override overrides both."""
+    from picovllm.engine.block_manager import BlockManager
+
+    engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], kv_cache_memory=3 << 20))
+    cfg = engine.model_config
+    per_block = BlockManager.bytes_per_block(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                             engine.model_runner.dtype)
+    assert engine.block_manager.num_total_blocks == (3 << 20) // per_block
+    engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], num_gpu_blocks_override=7))
+    assert engine.block_manager.num_total_blocks == 7
