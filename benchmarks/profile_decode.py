@@ -10,10 +10,17 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
        PYTHONPATH=. python benchmarks/profile_decode.py mixed [BATCH] [NEW]
          a serving step: BATCH (default 64) decodes plus a NEW-token prompt (default 448) in every
          step, with the default engine (mixed-step graphs); prints the wall time per step.
+       PYTHONPATH=. python benchmarks/profile_decode.py serve [BUDGET] [CLIENTS]
+         the engine alone under `picovllm bench serve`'s closed loop (CLIENTS requests of 512
+         prompt and 128 output tokens, a new one as each finishes, max_num_seqs CLIENTS, a step
+         budget of BUDGET tokens): the interval between steps (what a stream's inter-token latency
+         is made of, before HTTP) and what the slowest steps carry.
 
 Programmatic dependent launch is off here unless PICOVLLM_PDL=1 is set: with it, each kernel starts
 while the previous one drains, so the kernels' times overlap and no longer add up to the step
 (2.19 ms of kernel time in a 1.50 ms step at batch 1). The wall times printed are without it too."""
+import collections
+import gc
 import os
 import sys
 import time
@@ -103,10 +110,67 @@ def mixed(batch: int = 64, new: int = 448) -> None:
     report(prof, STEPS, "mixed step")
 
 
+def serve_steps(budget: int = 128, clients: int = 64, steps: int = 1500, warmup: int = 300,
+                model: str = "dummy:qwen2.5-1.5b", device: str = "cuda") -> list[tuple]:
+    llm = LLM(model, device=device, skip_tokenizer_init=True, gpu_memory_utilization=0.5, max_num_seqs=clients,
+              max_num_batched_tokens=budget)
+    engine = llm.llm_engine
+    launched, launch = collections.deque(), engine._launch
+
+    def counted_launch(batch, pending=None):  # what each launched step carries; steps return in launch order
+        new = batch.num_new_tokens
+        launched.append((sum(n == 1 for n in new), sum(n for n in new if n > 1), pending is not None))
+        return launch(batch, pending)
+
+    engine._launch = counted_launch
+    collections_started = [0]
+
+    def on_gc(phase, info):
+        collections_started[0] += phase == "start"
+
+    gc.callbacks.append(on_gc)
+    added = [0]
+
+    def add():
+        i = added[0]
+        added[0] += 1
+        engine.add_request(str(i), [(100 + i * 7 + j) % engine.model_config.vocab_size for j in range(512)],
+                           SamplingParams(max_tokens=128, ignore_eos=True))
+
+    for _ in range(clients):
+        add()
+    rows, last = [], time.perf_counter()
+    for i in range(warmup + steps):
+        before = collections_started[0]
+        outs = engine.step()
+        now = time.perf_counter()
+        decodes, prompt_tokens, ahead = launched.popleft()
+        if i >= warmup:  # (interval ms, decodes, prompt tokens, launched ahead, a collection ran)
+            rows.append(((now - last) * 1e3, decodes, prompt_tokens, ahead, collections_started[0] > before))
+        last = now
+        for out in outs:
+            if out.finished:
+                add()
+    gc.callbacks.remove(on_gc)
+    ms = sorted(r[0] for r in rows)
+    pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
+    print(f"serving steps, budget {budget}, {clients} clients, {len(rows)} steps: interval ms p50 {pick(0.5):.2f} "
+          f"p90 {pick(0.9):.2f} p99 {pick(0.99):.2f} max {ms[-1]:.2f}")
+    for label, sel in (("all steps", rows), ("slowest 5%", [r for r in rows if r[0] >= pick(0.95)]),
+                       ("slowest 1%", [r for r in rows if r[0] >= pick(0.99)])):
+        k = max(len(sel), 1)
+        print(f"  {label:11s} ({len(sel):4d}): decodes {sum(r[1] for r in sel) / k:5.1f}, prompt tokens "
+              f"{sum(r[2] for r in sel) / k:5.1f}, no prompt tokens {sum(r[2] == 0 for r in sel) / k:5.1%}, "
+              f"launched ahead {sum(r[3] for r in sel) / k:5.1%}, a GC collection {sum(r[4] for r in sel) / k:5.1%}")
+    return rows
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "prefix":
         warm_prefill(*(int(a) for a in sys.argv[2:4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "mixed":
         mixed(*(int(a) for a in sys.argv[2:4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "serve":
+        serve_steps(*(int(a) for a in sys.argv[2:4]))
     else:
         decode(int(sys.argv[1]) if len(sys.argv) > 1 else 1, len(sys.argv) < 3 or sys.argv[2] != "graphs")

@@ -5,6 +5,8 @@
 #   tests_fast: the tests stage without the two transformers parity tests (about 300 s),
 #   tests_engine: the rest of the test suite with the engine on CUDA,
 #   sweeps: benchmarks/attention_sweep.py (prefill tiles; decode splits in mixed steps) and gemv_sweep.py at 40 rows,
+#   serve_steps: the engine alone under the serving benchmark's closed loop at budgets 128, 192, 512
+#   (profile_decode.py serve: step intervals, and what the slowest 1% of steps carry),
 #   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
@@ -92,6 +94,11 @@ for stage in $STAGES; do
       python3 benchmarks/attention_sweep.py 2>&1 | tee "$OUT/attention_sweep.log"
       python3 benchmarks/attention_sweep.py decode 2>&1 | tee "$OUT/decode_sweep.log"
       python3 benchmarks/gemv_sweep.py 40 2>&1 | tee "$OUT/gemv_sweep.log" ;;
+    serve_steps)
+      echo "== the engine alone under the serving loop: step intervals and what the slowest steps carry =="
+      for budget in 128 192 512; do
+        python3 benchmarks/profile_decode.py serve $budget 64 2>&1 | grep -E "^serving|^  " | tee -a "$OUT/serve_steps.log"
+      done ;;
     gemv_chain)
       echo "== one-row GEMV tiles, a whole step's GEMVs graphed =="
       python3 benchmarks/gemv_sweep.py chain 2>&1 | tee "$OUT/gemv_chain.log" ;;
