@@ -18,14 +18,16 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
 
 Programmatic dependent launch is off here unless PICOVLLM_PDL=1 is set: with it, each kernel starts
 while the previous one drains, so the kernels' times overlap and no longer add up to the step
-(2.19 ms of kernel time in a 1.50 ms step at batch 1). The wall times printed are without it too."""
+(2.19 ms of kernel time in a 1.50 ms step at batch 1). The wall times printed are without it too,
+except in `serve`, which runs the engine's defaults (PDL on) and reads no kernel times."""
 import collections
 import gc
 import os
 import sys
 import time
 
-os.environ.setdefault("PICOVLLM_PDL", "0")  # before picovllm is imported (see above)
+if sys.argv[1:2] != ["serve"]:  # (serve: the engine's defaults, PDL on; it reads no kernel times)
+    os.environ.setdefault("PICOVLLM_PDL", "0")  # before picovllm is imported (see above)
 
 import torch
 from torch.profiler import ProfilerActivity, profile
