@@ -26,9 +26,11 @@ GEMV_ENABLED = os.environ.get("PICOVLLM_DISABLE_GEMV", "") in ("", "0")  # for b
 # Rows up to which the fused GEMV replaces cuBLAS plus the separate norm / SiLU*mul / add kernels.
 # On the H200 the one-row version wins; the CUDA-core version lost 4x at eight rows; the
 # tensor-core version (two rows and more) is level with cuBLAS at 40 rows except on the down
-# projection (2x slower), so it stays off: PICOVLLM_GEMV_MAX_ROWS=64 turns it on for experiments
-# (benchmarks/README.md).
+# projection (2x slower: cuBLAS splits its K = 8,960), so it stays off: PICOVLLM_GEMV_MAX_ROWS=64
+# turns it on for experiments (benchmarks/README.md), for weights at most GEMV_ROWS_MAX_K deep
+# (one K tile: the down projection stays on cuBLAS).
 GEMV_MAX_ROWS = min(int(os.environ.get("PICOVLLM_GEMV_MAX_ROWS", "1")), MAX_ROWS)
+GEMV_ROWS_MAX_K = 2048
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: nn.Module | None = None,
@@ -39,7 +41,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     first took a copy of it (a device-to-device copy per call, two per layer). On the CPU a single
     row goes through matrix-vector kernels, which stream the weight about 1.7x faster than the GEMM
     path for M = 1 (benchmarks/README.md)."""
-    if GEMV_ENABLED and use_triton(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+    if (GEMV_ENABLED and use_triton(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+            and (x.shape[0] == 1 or x.shape[1] <= GEMV_ROWS_MAX_K)):
         return gemv_triton(x, weight, bias, norm.weight if norm is not None else None,
                            norm.eps if norm is not None else 0.0, residual, silu_mul)
     if norm is not None:
