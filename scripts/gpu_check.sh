@@ -5,6 +5,7 @@
 #   tests_fast: the tests stage without the two transformers parity tests (about 300 s),
 #   tests_engine: the rest of the test suite with the engine on CUDA,
 #   sweeps: benchmarks/attention_sweep.py (prefill tiles; decode splits in mixed steps) and gemv_sweep.py at 40 rows,
+#   gemv_rows: latency at batch 8/32/64 and the warm prefix hit with the fused GEMV from two rows against cuBLAS,
 #   serve_steps: the engine alone under the serving benchmark's closed loop at budgets 128, 192, 512
 #   (profile_decode.py serve: step intervals, and what the slowest 1% of steps carry),
 #   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
@@ -98,6 +99,14 @@ for stage in $STAGES; do
       echo "== the engine alone under the serving loop: step intervals and what the slowest steps carry =="
       for budget in 128 192 512; do
         python3 benchmarks/profile_decode.py serve $budget 64 2>&1 | grep -E "^serving|^  " | tee -a "$OUT/serve_steps.log"
+      done ;;
+    gemv_rows)
+      echo "== the fused tensor-core GEMV from two rows (PICOVLLM_GEMV_MAX_ROWS=64; down stays on cuBLAS) against cuBLAS =="
+      for rows in 1 64 1 64; do
+        PICOVLLM_GEMV_MAX_ROWS=$rows bench latency --model "$MODEL" --batch-sizes 8,32,64 --input-len 128 --output-len 256 \
+            2>&1 | grep -E "^picovllm" | sed "s/^/gemv rows $rows: /" | tee -a "$OUT/gemv_rows.log"
+        PICOVLLM_GEMV_MAX_ROWS=$rows PICOVLLM_PDL=1 python3 benchmarks/profile_decode.py prefix 2>&1 | grep -E "^warm" \
+            | sed "s/^/gemv rows $rows: /" | tee -a "$OUT/gemv_rows.log"
       done ;;
     gemv_chain)
       echo "== one-row GEMV tiles, a whole step's GEMVs graphed =="
