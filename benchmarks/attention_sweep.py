@@ -81,8 +81,11 @@ def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
     qsl[: decodes + 1] = torch.arange(decodes + 1, device="cuda")
     query, out = torch.randn(tokens, HEADS, DIM, **bf16), torch.empty(tokens, HEADS, DIM, **bf16)
     scale = DIM ** -0.5
-    t = bench(lambda: decode_attention_triton(query[:decodes], kc, vc, tables[:decodes], ctx[:decodes], scale), reps=20)
-    print(f"decode step, {decodes} sequences, {num_splits(decodes, KV_HEADS)} splits: {t * 1e6:6.1f} us", flush=True)
+    for splits in (1, 2, 4, 8):  # (a decode step takes num_splits(); one split needs no merge kernel)
+        t = bench(lambda: decode_attention_triton(query[:decodes], kc, vc, tables[:decodes], ctx[:decodes], scale,
+                                                  splits), reps=20)
+        print(f"decode step, {decodes} sequences, {splits} splits"
+              f"{' (the default)' if splits == num_splits(decodes, KV_HEADS) else ''}: {t * 1e6:6.1f} us", flush=True)
     for splits, min_keys in itertools.product((2, 4, 8, 16), (32, 64, 128, 192, 256, 320, 512)):
         t = bench(lambda: decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl,
                                                   out=out, min_keys=min_keys), reps=20)
