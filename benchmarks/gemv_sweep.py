@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from picovllm.kernels.gemv import gemv_config, gemv_triton
-from picovllm.kernels.triton_utils import next_pow2
 
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960),
           "lm_head": (151936, 1536)}
@@ -115,7 +114,7 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
         return sorted(times)[len(times) // 2]
 
     def candidates(name: str):
-        n, k = SHAPES[name]
+        k = SHAPES[name][1]
         widths = (1, 2, 4, 8) if k > 2048 else (4, 8, 16, 32) if name == "lm_head" else (1, 2, 4, 8, 16)
         for bn, bk, warps in itertools.product(widths, (2048, 4096, 8192), (1, 2, 4, 8, 16)):
             rows_loaded = 2 * bn if name == "gate_up" else bn

@@ -254,7 +254,7 @@ async def _last(stream: AsyncIterator[RequestOutput], metrics) -> RequestOutput:
 
 
 def _sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
-    """Server-Sent Events of the chunks: dicts, or events already serialised (_EventTemplate)."""
+    """Server-Sent Events of the chunks: dicts, or events already serialised (_EventTemplates)."""
     async def body():
         async for chunk in chunks:
             yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
@@ -329,6 +329,7 @@ async def _stream_chat(stream, req, params, rid, created, model, metrics):
     for i in range(params.n):
         yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
+
     def chunk(index: int, text: str | None, logprobs=None, finish_reason=None) -> dict:
         return {**base, "choices": [{"index": index, "delta": {} if text is None else {"content": text},
                                      "finish_reason": finish_reason, "logprobs": logprobs}]}
