@@ -23,7 +23,9 @@ SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "dow
           "lm_head": (151936, 1536)}
 
 
-def bench(fn, reps: int = 50) -> float:
+def bench(fn, reps: int = 50, rounds: int = 1) -> float:
+    """Seconds per call of fn: `reps` calls captured in one CUDA graph, replayed once untimed, then
+    the median of `rounds` timed replays."""
     for _ in range(3):
         fn()
     graph = torch.cuda.CUDAGraph()
@@ -31,11 +33,14 @@ def bench(fn, reps: int = 50) -> float:
         for _ in range(reps):
             fn()
     graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / reps)
+    return sorted(times)[len(times) // 2]
 
 
 def tile_candidates(rows: int):
@@ -97,21 +102,7 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
 
     def timed(cfgs: dict) -> float:
         """Median over rounds of the mean step time of `reps` graphed steps, us."""
-        for _ in range(2):
-            step(cfgs)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                step(cfgs)
-        times = []
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) / reps * 1e6)
-        del graph
-        return sorted(times)[len(times) // 2]
+        return bench(lambda: step(cfgs), reps, rounds) * 1e6
 
     def candidates(name: str):
         k = SHAPES[name][1]
