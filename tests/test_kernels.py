@@ -187,8 +187,8 @@ def test_prefill_attention_padded_work_list(dtype):
 
 
 def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
-    assert [num_splits(b, 2) for b in (1, 2, 8, 64, 128, 256)] == [32, 32, 16, 2, 1, 1]
-    assert num_splits(1, 8) == 32 and num_splits(4, 8) == 8
+    assert [num_splits(b, 2) for b in (1, 2, 8, 64, 128, 256)] == [32, 32, 32, 4, 2, 1]
+    assert num_splits(1, 8) == 32 and num_splits(4, 8) == 16
 
 
 

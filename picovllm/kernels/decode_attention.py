@@ -14,7 +14,9 @@ from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
 BLOCK_N = 32  # keys per inner-loop tile
-TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
+# about four programs per SM on an H100 / H200: batch 128 in 2 splits, not 1, 2.51 -> 2.41 ms per
+# step; batch 1-64 unchanged (seventh session, benchmarks/README.md)
+TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
 # Mixed steps: the grid covers every sequence slot (in a graph, up to max_num_seqs), whatever
 # number of them decode, so the batch size says nothing; num_splits(256 slots) = 1 had left 64 decodes

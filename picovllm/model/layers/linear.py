@@ -36,8 +36,11 @@ GEMV_ROWS_MAX_K = 2048
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: nn.Module | None = None,
            residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """residual + act(norm(x) @ weight.T + bias), where act is SiLU*mul of the two output halves
-    when silu_mul is set. On the CPU a single row goes through matrix-vector kernels, which stream
-    the weight about 1.7x faster than the GEMM path for M = 1 (benchmarks/README.md)."""
+    when silu_mul is set. residual may be updated in place and returned (callers pass the residual
+    stream, whose old value they do not read again): the GEMM then adds into it, where a new output
+    first took a copy of it (a device-to-device copy per call, two per layer). On the CPU a single
+    row goes through matrix-vector kernels, which stream the weight about 1.7x faster than the GEMM
+    path for M = 1 (benchmarks/README.md)."""
     if (GEMV_ENABLED and use_triton(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
             and (x.shape[0] == 1 or x.shape[1] <= GEMV_ROWS_MAX_K)):
         return gemv_triton(x, weight, bias, norm.weight if norm is not None else None,
@@ -47,12 +50,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu":
         y = (torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0]))[None]
     elif residual is not None and bias is None and not silu_mul and x.dim() == 2:
-        return torch.addmm(residual, x, weight.t())  # the add in the GEMM's epilogue: no kernel of its own
+        return residual.addmm_(x, weight.t())  # the add in the GEMM's epilogue: no kernel of its own
     else:
         y = F.linear(x, weight, bias)
     if silu_mul:
         y = silu_mul_op(y)
-    return y if residual is None else residual + y
+    return y if residual is None else residual.add_(y)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -145,10 +148,11 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_features // tp, out_features, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + x @ weight.T (+ bias); partial sums are reduced before the residual add."""
+        """residual + x @ weight.T (+ bias), residual updated in place (see linear); partial sums
+        are reduced before the residual add."""
         bias = self.bias if self.tp_rank == 0 else None
         if self.tp_size == 1:
             return linear(x, self.weight, bias, residual=residual)
         y = linear(x, self.weight, bias)
         dist.all_reduce(y)
-        return y if residual is None else residual + y
+        return y if residual is None else residual.add_(y)
