@@ -20,7 +20,7 @@ from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.model_runner import ModelRunner
 from picovllm.engine.request import Request
-from picovllm.engine.sampler import SamplerOutput
+from picovllm.engine.sampler import SamplerOutput, to_device
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
 from picovllm.kernels import triton_utils
 from picovllm.model.loader.model_loader import resolve_model
@@ -310,11 +310,8 @@ class LLMEngine:
             return None
         self.num_launched_ahead += 1
         pending = step.tokens
-        if len(rows) < len(reqs):  # (a pinned, non_blocking index: a pageable copy could wait for the GPU)
-            index = torch.tensor(rows)
-            if pending.is_cuda:
-                index = index.pin_memory().to(pending.device, non_blocking=True)
-            pending = pending[index]
+        if len(rows) < len(reqs):
+            pending = pending[to_device(rows, torch.long, pending.device)]
         return self._launch(batch, pending=pending)
 
     @staticmethod
