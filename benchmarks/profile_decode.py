@@ -14,7 +14,8 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
          the engine alone under `picovllm bench serve`'s closed loop (CLIENTS requests of 512
          prompt and 128 output tokens, a new one as each finishes, max_num_seqs CLIENTS, a step
          budget of BUDGET tokens): the interval between steps (what a stream's inter-token latency
-         is made of, before HTTP) and what the slowest steps carry.
+         is made of, before HTTP), the GPU and host time per step, and what the slowest steps carry;
+         `serve BUDGET CLIENTS profile`: then the kernels of 50 more steps (PDL off).
 
 Programmatic dependent launch is off here unless PICOVLLM_PDL=1 is set: with it, each kernel starts
 while the previous one drains, so the kernels' times overlap and no longer add up to the step
@@ -26,7 +27,7 @@ import os
 import sys
 import time
 
-if sys.argv[1:2] != ["serve"]:  # (serve: the engine's defaults, PDL on; it reads no kernel times)
+if sys.argv[1:2] != ["serve"] or "profile" in sys.argv:  # (serve: the engine's defaults, PDL on)
     os.environ.setdefault("PICOVLLM_PDL", "0")  # before picovllm is imported (see above)
 
 import torch
@@ -112,7 +113,7 @@ def mixed(batch: int = 64, new: int = 448) -> None:
     report(prof, STEPS, "mixed step")
 
 
-def serve_steps(budget: int = 128, clients: int = 64, steps: int = 1500, warmup: int = 300,
+def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, steps: int = 1500, warmup: int = 300,
                 model: str = "dummy:qwen2.5-1.5b", device: str = "cuda") -> list[tuple]:
     llm = LLM(model, device=device, skip_tokenizer_init=True, gpu_memory_utilization=0.5, max_num_seqs=clients,
               max_num_batched_tokens=budget)
@@ -121,8 +122,17 @@ def serve_steps(budget: int = 128, clients: int = 64, steps: int = 1500, warmup:
 
     def counted_launch(batch, pending=None):  # what each launched step carries; steps return in launch order
         new = batch.num_new_tokens
-        launched.append((sum(n == 1 for n in new), sum(n for n in new if n > 1), pending is not None))
-        return launch(batch, pending)
+        prompts = [r for r, n in zip(batch.requests, new) if n > 1]
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        marks[0].record()
+        t0 = time.perf_counter()
+        step = launch(batch, pending)
+        took = (time.perf_counter() - t0) * 1e3
+        marks[1].record()  # the GPU time between the two marks is this step's own work (and any wait for the host)
+        launched.append((sum(n == 1 for n in new), sum(n for n in new if n > 1), pending is not None,
+                         len(prompts), any(r.num_computed_tokens == n for r, n in zip(batch.requests, new) if n > 1),
+                         took, marks))
+        return step
 
     engine._launch = counted_launch
     collections_started = [0]
@@ -143,17 +153,21 @@ def serve_steps(budget: int = 128, clients: int = 64, steps: int = 1500, warmup:
         add()
     rows, last = [], time.perf_counter()
     for i in range(warmup + steps):
-        before = collections_started[0]
+        before, host = collections_started[0], engine.host_time_s
         outs = engine.step()
         now = time.perf_counter()
-        decodes, prompt_tokens, ahead = launched.popleft()
-        if i >= warmup:  # (interval ms, decodes, prompt tokens, launched ahead, a collection ran)
-            rows.append(((now - last) * 1e3, decodes, prompt_tokens, ahead, collections_started[0] > before))
+        decodes, prompt_tokens, ahead, prompts, first_chunk, took, marks = launched.popleft()
+        if i >= warmup:  # (interval ms, decodes, prompt tokens, launched ahead, a collection ran, ...)
+            rows.append([(now - last) * 1e3, decodes, prompt_tokens, ahead, collections_started[0] > before,
+                         prompts, first_chunk, took, (engine.host_time_s - host) * 1e3, marks])
         last = now
         for out in outs:
             if out.finished:
                 add()
+    torch.cuda.synchronize()
     gc.callbacks.remove(on_gc)
+    for r in rows:  # GPU ms of the step's own work (launched ahead, so not the time it waited)
+        r[-1] = r[-1][0].elapsed_time(r[-1][1])
     ms = sorted(r[0] for r in rows)
     pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
     print(f"serving steps, budget {budget}, {clients} clients, {len(rows)} steps: interval ms p50 {pick(0.5):.2f} "
@@ -164,6 +178,28 @@ def serve_steps(budget: int = 128, clients: int = 64, steps: int = 1500, warmup:
         print(f"  {label:11s} ({len(sel):4d}): decodes {sum(r[1] for r in sel) / k:5.1f}, prompt tokens "
               f"{sum(r[2] for r in sel) / k:5.1f}, no prompt tokens {sum(r[2] == 0 for r in sel) / k:5.1%}, "
               f"launched ahead {sum(r[3] for r in sel) / k:5.1%}, a GC collection {sum(r[4] for r in sel) / k:5.1%}")
+    gpu, host = sorted(r[-1] for r in rows), sorted(r[-2] for r in rows)
+    print(f"  mean interval {sum(ms) / len(ms):.2f} ms, mean GPU time {sum(gpu) / len(gpu):.2f} ms; host ms per step "
+          f"(not waiting for the GPU) p50 {host[len(host) // 2]:.2f} p90 {host[int(0.9 * len(host))]:.2f} "
+          f"p99 {host[int(0.99 * len(host))]:.2f}")
+    print(f"  GPU ms per step p50 {gpu[len(gpu) // 2]:.2f} p90 {gpu[int(0.9 * len(gpu))]:.2f} "
+          f"p99 {gpu[int(0.99 * len(gpu))]:.2f} max {gpu[-1]:.2f}")
+    for k in sorted({r[5] for r in rows}):
+        for first in (False, True):
+            sel = sorted(r[-1] for r in rows if r[5] == k and r[6] == first)
+            took = sorted(r[7] for r in rows if r[5] == k and r[6] == first)
+            if sel:
+                print(f"  {k} prompts{', one a first chunk' if first else ''}: {len(sel)} steps, GPU ms p50 "
+                      f"{sel[len(sel) // 2]:.2f} p90 {sel[int(0.9 * len(sel))]:.2f} max {sel[-1]:.2f}; "
+                      f"launch (host) ms p50 {took[len(took) // 2]:.2f} p90 {took[int(0.9 * len(took))]:.2f}")
+    if profiled:  # the kernels of 50 more steps (run with PDL off: kernel times then add up)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                for out in engine.step():
+                    if out.finished:
+                        add()
+            torch.cuda.synchronize()
+        report(prof, 50, f"serving step, budget {budget}")
     return rows
 
 
@@ -173,6 +209,6 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "mixed":
         mixed(*(int(a) for a in sys.argv[2:4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "serve":
-        serve_steps(*(int(a) for a in sys.argv[2:4]))
+        serve_steps(*(int(a) for a in sys.argv[2:4]), profiled="profile" in sys.argv)
     else:
         decode(int(sys.argv[1]) if len(sys.argv) > 1 else 1, len(sys.argv) < 3 or sys.argv[2] != "graphs")
