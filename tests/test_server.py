@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on a tiny model, on a free loopback port, driven by the official
 openai client and raw HTTP."""
 import asyncio
+import json
 import time
 
 import httpx
@@ -216,7 +217,9 @@ def test_serving_benchmark(server, tmp_path):
     assert engine.on_step == on_step and set(summary["gc_pauses"]) == {"gen0", "gen1", "gen2"}
     cpu = summary["cpu_ms_per_step"]
     assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0
-    assert (tmp_path / "serve_results.json").exists() and (tmp_path / "serve_latency.png").exists()
+    assert (tmp_path / "serve_latency.png").exists()
+    saved = json.loads((tmp_path / "serve_results.json").read_text())["requests"]  # every stream read to its end
+    assert [(r["output_len"], len(r["itl"])) for r in saved] == [(6, 5)] * 12
 
 
 def test_echo_token_prompts_and_chat_tokenize(server, client):

@@ -55,6 +55,8 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
                      help="in-process server: the engine on a thread of the server's process (as `picovllm serve`)")
     srv.add_argument("--save-dir", default=None, help="write serve_results.json and serve_latency.png here")
     srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--client-processes", type=int, default=None,
+                     help="processes the clients are spread over; default: half the CPUs, at most 8")
     srv.set_defaults(func=_serve)
 
 
@@ -102,6 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
         with frozen_heap() if stop is not None else contextlib.nullcontext():  # (as picovllm serve)
             run_serve_bench(url, name, args.num_prompts, args.concurrency, args.request_rate, args.input_len,
                             args.output_len, vocab, args.api_key, args.seed, args.save_dir,
+                            client_processes=args.client_processes,
                             probe=EngineProbe(engine) if stop is not None else None)
     finally:
         if stop is not None:
