@@ -10,6 +10,7 @@
 #   (profile_decode.py serve: step intervals, and what the slowest 1% of steps carry),
 #   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
+#   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's target),
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
@@ -83,6 +84,15 @@ for stage in $STAGES; do
         bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 $opts \
             2>&1 | grep -v "it/s\]" | tee "$OUT/$name.log" | grep -E "ITL|TTFT|engine step|rror"
       done ;;
+    serve_target)
+      echo "== the serving issue's target: p99 ITL within 1.5x of the offline decode step at batch 64 (three serving runs) =="
+      bench latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
+          | grep -v "it/s\]" | tee "$OUT/offline64.log" | grep -E "^picovllm"
+      for run in 1 2 3; do
+        bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 \
+            --max-num-batched-tokens 128 --max-num-seqs 64 --save-dir "$OUT/serve_b128_run$run" 2>&1 | grep -v "it/s\]" \
+            | tee "$OUT/serve_b128_run$run.log" | grep -E "ITL|TTFT|engine step|rror"
+      done ;;
     pdl)
       echo "== programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0) =="
       for pdl in 0 1; do
@@ -132,7 +142,12 @@ echo "== summary =="
 python3 - "$OUT" <<'PY'
 import json, os, sys
 names = ["latency_graphs.log", "hf.log", "offline64.log", "throughput.log", "prefix.log", "serve.log"]
-names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith(("serve_b", "ab_")))
+names += sorted(n for n in os.listdir(sys.argv[1]) if n.startswith(("serve_b", "ab_")) and n.endswith(".log"))
+offline64 = None
+if os.path.exists(os.path.join(sys.argv[1], "offline64.log")):
+    for line in open(os.path.join(sys.argv[1], "offline64.log")):
+        if line.startswith("{"):
+            offline64 = json.loads(line)["results"][0]["ms_per_step"]
 for name in names:
     path = os.path.join(sys.argv[1], name)
     if not os.path.exists(path):
@@ -153,6 +168,8 @@ for name in names:
                       f"wall on vs off {x['wall_on_vs_off']:+.1%}, hit {x['hit_rate_on']:.0%}")
             print(f"prefix match+insert {r['match_insert_us']:.1f} us")
         elif r["benchmark"] == "serve":
+            if offline64 and name.startswith("serve_b128"):
+                print(f"{name:20s} p99 ITL / offline batch-64 step: {r['itl_ms']['p99'] / offline64:.3f} (target at most 1.5)")
             print(f"{name:20s} serve: {r['output_tok_s']:.0f} output tok/s, ITL p50 {r['itl_ms']['p50']:.2f} "
                   f"p99 {r['itl_ms']['p99']:.2f} ms, TTFT p99 {r['ttft_ms']['p99']:.1f} ms"
                   + (f", engine step p99 {r['engine_step_ms']['p99']:.2f} ms" if "engine_step_ms" in r else ""))
