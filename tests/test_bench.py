@@ -37,3 +37,26 @@ def test_prefix_scenarios(tiny_qwen, capsys):
     assert by_name["b"]["hit_rate_on"] > 0.5 and by_name["b"]["hit_rate_off"] == 0
     assert by_name["c"]["hit_rate_on"] == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["match_insert_us"] > 0
+
+
+def test_late_tokens_are_attributed_to_their_client_process():
+    """An interval is late over late_ms; it is put down to its own client process when that
+    process started or finished another request within the 4 ms before the token arrived."""
+    from picovllm.bench.serve import _late_tokens
+
+    # client 0: request a (start 10.0) gets tokens at 10.1, 10.103, 10.110 (late), 10.113;
+    # request b of the same process ends at 10.108, 2 ms before a's late token
+    a = {"client": 0, "start": 10.0, "ttft": 0.1, "itl": [0.003, 0.007, 0.003], "e2e": 0.2}
+    b = {"client": 0, "start": 9.9, "ttft": 0.05, "itl": [], "e2e": 0.208}
+    # client 1: request c's late token (10.2 -> 10.21) has no event of its own process near it,
+    # though client 0's request b ended at 10.108... and a's start is 10.0: neither in 4 ms
+    c = {"client": 1, "start": 10.15, "ttft": 0.05, "itl": [0.01, 0.003], "e2e": 0.1}
+    assert _late_tokens([a, b, c], late_ms=5) == {"late_ms": 5, "late": 2, "late_near_client_request": 1}
+    # c's late token arrives at 10.21: another request of its process starting 3 ms before counts;
+    # one starting after it, or more than 4 ms before, does not
+    near = {"client": 1, "start": 10.207, "ttft": 0.01, "itl": [], "e2e": 0.02}
+    after = {"client": 1, "start": 10.2105, "ttft": 0.01, "itl": [], "e2e": 0.02}
+    early = {"client": 1, "start": 10.2055, "ttft": 0.001, "itl": [], "e2e": 0.002}  # (ends at 10.2075: counts)
+    too_early = {"client": 1, "start": 10.2, "ttft": 0.001, "itl": [], "e2e": 0.003}  # ends at 10.203
+    assert [_late_tokens([c, x], late_ms=5)["late_near_client_request"] for x in (near, after, early, too_early)] \
+        == [1, 0, 1, 0]

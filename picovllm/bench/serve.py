@@ -73,10 +73,31 @@ async def _drive(url: str, headers: dict, prompts: list[list[int]], output_len: 
 def _client_process(args: tuple) -> tuple[list[dict], float]:
     """One client process: waits for the common start instant (wall clock), drives its share of
     the clients; returns their results and its end instant."""
-    start_at, *drive_args = args
+    start_at, client, *drive_args = args
     time.sleep(max(0.0, start_at - time.time()))
     results = asyncio.run(_drive(*drive_args))
+    for r in results:
+        r["client"] = client
     return results, time.time()
+
+
+def _late_tokens(ok: list[dict], late_ms: float, window_s: float = 0.004) -> dict:
+    """Inter-token intervals over late_ms, and how many of them ended within window_s after their
+    own client process started or finished another request: while a process does that, its other
+    streams' tokens wait in it, so those are the benchmark's delays more than the server's."""
+    events: dict[int, list[float]] = {}
+    for r in ok:
+        events.setdefault(r["client"], []).extend((r["start"], r["start"] + r["e2e"]))
+    events = {c: np.sort(e) for c, e in events.items()}
+    late = near = 0
+    for r in ok:
+        arrivals = r["start"] + r["ttft"] + np.cumsum(r["itl"])
+        slow = arrivals[np.asarray(r["itl"]) * 1e3 > late_ms]
+        ev = events[r["client"]]
+        before = ev[np.maximum(np.searchsorted(ev, slow) - 1, 0)]
+        late += len(slow)
+        near += int(((slow - before < window_s) & (before <= slow)).sum())
+    return {"late_ms": late_ms, "late": late, "late_near_client_request": near}
 
 
 def _thread_cpu_s(thread: threading.Thread) -> float:
@@ -156,7 +177,7 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
         client_processes = min(8, max(1, (os.cpu_count() or 2) // 2))
     procs = max(1, min(client_processes, concurrency))
     start_at = time.time() + 3.0  # after every process has started and imported its modules
-    shards = [(start_at, url, headers, prompts[i::procs], output_len, concurrency // procs + (i < concurrency % procs),
+    shards = [(start_at, i, url, headers, prompts[i::procs], output_len, concurrency // procs + (i < concurrency % procs),
                request_rate / procs, model, seed + i) for i in range(procs)]
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = list(pool.map(_client_process, shards))
@@ -173,12 +194,19 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
                "output_len": output_len,
                "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
                "itl_ms": _stats([x for r in ok for x in r["itl"]]), **(probed if probe is not None else {})}
+    if summary["itl_ms"]:
+        summary["late_tokens"] = _late_tokens(ok, 1.5 * summary["itl_ms"]["p50"])
     rows = [{"metric": name, **summary[key]} for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
                                                                ("ITL", "itl_ms")) if summary[key]]
     print(f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
           f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s")
     print_table(rows, [("metric", "ms", ""), ("mean", "mean", ".2f"), ("p50", "p50", ".2f"), ("p90", "p90", ".2f"),
                        ("p99", "p99", ".2f")])
+    if "late_tokens" in summary:
+        late, intervals = summary["late_tokens"], sum(len(r["itl"]) for r in ok)
+        print(f"inter-token intervals over 1.5x the median ({late['late_ms']:.2f} ms): {late['late']} of {intervals} "
+              f"({late['late'] / max(intervals, 1):.2%}), {late['late_near_client_request']} of them within 4 ms after "
+              f"their client process started or finished a request")
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
         with open(os.path.join(save_dir, "serve_results.json"), "w") as f:
