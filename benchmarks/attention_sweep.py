@@ -3,7 +3,9 @@
 options; each timing is 20 calls replayed from a CUDA graph (GPU only). Cases: the cold prefill of
 `picovllm bench prefix` scenario b (2,123 tokens), its warm hit (40 new tokens over 2,083 cached),
 and a serving chunk (448 tokens over 64 cached). "reversed": the work list longest-first. The
-warm hit also over key splits (num_splits() gives it 16; each split at least 2 key tiles).
+warm hit and a late chunk of a 512-token prompt at a 128-token step budget (103 tokens over 409
+cached, as `profile_decode.py serve 128 64` sees them) also over key splits (num_splits() gives
+both 16 in a graph; each split at least 2 key tiles).
 
 Usage: PYTHONPATH=. python benchmarks/attention_sweep.py
        PYTHONPATH=. python benchmarks/attention_sweep.py decode
@@ -20,7 +22,7 @@ from picovllm.kernels.decode_attention import decode_attention_triton, num_split
 from picovllm.kernels.prefill_attention import prefill_attention_triton, prefill_work
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 12, 2, 128, 16
-CASES = {"cold 2123": (2123, 0), "warm 40/2083": (40, 2083), "chunk 448/64": (448, 64)}
+CASES = {"cold 2123": (2123, 0), "warm 40/2083": (40, 2083), "chunk 448/64": (448, 64), "chunk 103/409": (103, 409)}
 DEFAULT = (64, 64, 4, 3)  # BLOCK_M, BLOCK_N, warps, stages
 
 
@@ -58,9 +60,13 @@ def main() -> None:
         for t, cfg, reverse in results[:3] + [r for r in results if r[1] == DEFAULT] + results[-1:]:
             print(f"{name:13s} BLOCK_M={cfg[0]:3d} BLOCK_N={cfg[1]:3d} warps={cfg[2]} stages={cfg[3]}"
                   f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
-        if cached > 10 * new:  # few queries over a long prefix: more key splits than num_splits() allows
-            for bn, splits in itertools.product((32, 64), (8, 16, 32, 64)):
-                t = time(64, bn, 4, 2, splits=splits)
+        if cached > 3 * new:  # few queries over a long prefix: other key splits than num_splits() gives
+            for bn, splits in itertools.product((32, 64), (1, 2, 4, 8, 16, 32, 64)):
+                try:
+                    t = time(64, bn, 4, 2, splits=splits)
+                except Exception as e:  # (a sweep goes on)
+                    print(f"{name:13s} BLOCK_N={bn:3d} splits={splits:2d}: {type(e).__name__}: {e}", flush=True)
+                    continue
                 print(f"{name:13s} BLOCK_M= 64 BLOCK_N={bn:3d} warps=4 stages=2 splits={splits:2d}: {t * 1e6:7.1f} us",
                       flush=True)
 
