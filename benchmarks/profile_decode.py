@@ -15,7 +15,8 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
          prompt and 128 output tokens, a new one as each finishes, max_num_seqs CLIENTS, a step
          budget of BUDGET tokens): the interval between steps (what a stream's inter-token latency
          is made of, before HTTP), the GPU and host time per step, and what the slowest steps carry;
-         `serve BUDGET CLIENTS profile`: then the kernels of 50 more steps (PDL off).
+         `serve BUDGET CLIENTS profile`: then the kernels of 50 more steps (PDL off);
+         `serve BUDGET CLIENTS host`: then where the host time of 300 more steps goes (cProfile).
 
 Programmatic dependent launch is off here unless PICOVLLM_PDL=1 is set: with it, each kernel starts
 while the previous one drains, so the kernels' times overlap and no longer add up to the step
@@ -113,7 +114,8 @@ def mixed(batch: int = 64, new: int = 448) -> None:
     report(prof, STEPS, "mixed step")
 
 
-def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, steps: int = 1500, warmup: int = 300,
+def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, host_profiled: bool = False,
+                steps: int = 1500, warmup: int = 300,
                 model: str = "dummy:qwen2.5-1.5b", device: str = "cuda") -> list[tuple]:
     llm = LLM(model, device=device, skip_tokenizer_init=True, gpu_memory_utilization=0.5, max_num_seqs=clients,
               max_num_batched_tokens=budget)
@@ -192,6 +194,18 @@ def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, st
                 print(f"  {k} prompts{', one a first chunk' if first else ''}: {len(sel)} steps, GPU ms p50 "
                       f"{sel[len(sel) // 2]:.2f} p90 {sel[int(0.9 * len(sel))]:.2f} max {sel[-1]:.2f}; "
                       f"launch (host) ms p50 {took[len(took) // 2]:.2f} p90 {took[int(0.9 * len(took))]:.2f}")
+    if host_profiled:  # where the host time of 300 more steps goes (cProfile: slower steps, the same calls)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            for out in engine.step():
+                if out.finished:
+                    add()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if profiled:  # the kernels of 50 more steps (run with PDL off: kernel times then add up)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(50):
@@ -209,6 +223,6 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "mixed":
         mixed(*(int(a) for a in sys.argv[2:4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "serve":
-        serve_steps(*(int(a) for a in sys.argv[2:4]), profiled="profile" in sys.argv)
+        serve_steps(*(int(a) for a in sys.argv[2:4]), profiled="profile" in sys.argv, host_profiled="host" in sys.argv)
     else:
         decode(int(sys.argv[1]) if len(sys.argv) > 1 else 1, len(sys.argv) < 3 or sys.argv[2] != "graphs")

@@ -9,6 +9,7 @@
 #   gemv_rows: latency at batch 8/32/64 and the warm prefix hit with the fused GEMV from two rows against cuBLAS,
 #   serve_steps: the engine alone under the serving benchmark's closed loop at budgets 128, 192, 512
 #   (profile_decode.py serve: step intervals, and what the slowest 1% of steps carry),
+#   serve_host: the same loop at budget 128, then a cProfile of 300 steps (where the host time per step goes),
 #   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
 #   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's target),
@@ -110,6 +111,10 @@ for stage in $STAGES; do
       for budget in 128 192 512; do
         python3 benchmarks/profile_decode.py serve $budget 64 2>&1 | grep -E "^serving|^  " | tee -a "$OUT/serve_steps.log"
       done ;;
+    serve_host)
+      echo "== where the host time of a serving step goes (budget 128, 64 clients; cProfile over 300 steps) =="
+      python3 benchmarks/profile_decode.py serve 128 64 host 2>&1 | grep -E "^serving|^  |tottime|^ +[0-9]" | head -40 \
+          | tee "$OUT/serve_host.log" ;;
     gemv_rows)
       echo "== the fused tensor-core GEMV from two rows (PICOVLLM_GEMV_MAX_ROWS=64; down stays on cuBLAS) against cuBLAS =="
       for rows in 1 64 1 64; do
