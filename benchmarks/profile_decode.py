@@ -151,6 +151,12 @@ def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, ho
         engine.add_request(str(i), [(100 + i * 7 + j) % engine.model_config.vocab_size for j in range(512)],
                            SamplingParams(max_tokens=128, ignore_eos=True))
 
+    def run(n: int) -> None:  # (after the timed loop: the profiles' steps)
+        for _ in range(n):
+            for out in engine.step():
+                if out.finished:
+                    add()
+
     for _ in range(clients):
         add()
     rows, last = [], time.perf_counter()
@@ -170,48 +176,43 @@ def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, ho
     gc.callbacks.remove(on_gc)
     for r in rows:  # GPU ms of the step's own work (launched ahead, so not the time it waited)
         r[-1] = r[-1][0].elapsed_time(r[-1][1])
+    def pick(values: list[float], q: float) -> float:  # (values sorted)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
     ms = sorted(r[0] for r in rows)
-    pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
-    print(f"serving steps, budget {budget}, {clients} clients, {len(rows)} steps: interval ms p50 {pick(0.5):.2f} "
-          f"p90 {pick(0.9):.2f} p99 {pick(0.99):.2f} max {ms[-1]:.2f}")
-    for label, sel in (("all steps", rows), ("slowest 5%", [r for r in rows if r[0] >= pick(0.95)]),
-                       ("slowest 1%", [r for r in rows if r[0] >= pick(0.99)])):
+    print(f"serving steps, budget {budget}, {clients} clients, {len(rows)} steps: interval ms p50 {pick(ms, 0.5):.2f} "
+          f"p90 {pick(ms, 0.9):.2f} p99 {pick(ms, 0.99):.2f} max {ms[-1]:.2f}")
+    for label, sel in (("all steps", rows), ("slowest 5%", [r for r in rows if r[0] >= pick(ms, 0.95)]),
+                       ("slowest 1%", [r for r in rows if r[0] >= pick(ms, 0.99)])):
         k = max(len(sel), 1)
         print(f"  {label:11s} ({len(sel):4d}): decodes {sum(r[1] for r in sel) / k:5.1f}, prompt tokens "
               f"{sum(r[2] for r in sel) / k:5.1f}, no prompt tokens {sum(r[2] == 0 for r in sel) / k:5.1%}, "
               f"launched ahead {sum(r[3] for r in sel) / k:5.1%}, a GC collection {sum(r[4] for r in sel) / k:5.1%}")
     gpu, host = sorted(r[-1] for r in rows), sorted(r[-2] for r in rows)
     print(f"  mean interval {sum(ms) / len(ms):.2f} ms, mean GPU time {sum(gpu) / len(gpu):.2f} ms; host ms per step "
-          f"(not waiting for the GPU) p50 {host[len(host) // 2]:.2f} p90 {host[int(0.9 * len(host))]:.2f} "
-          f"p99 {host[int(0.99 * len(host))]:.2f}")
-    print(f"  GPU ms per step p50 {gpu[len(gpu) // 2]:.2f} p90 {gpu[int(0.9 * len(gpu))]:.2f} "
-          f"p99 {gpu[int(0.99 * len(gpu))]:.2f} max {gpu[-1]:.2f}")
+          f"(not waiting for the GPU) p50 {pick(host, 0.5):.2f} p90 {pick(host, 0.9):.2f} p99 {pick(host, 0.99):.2f}")
+    print(f"  GPU ms per step p50 {pick(gpu, 0.5):.2f} p90 {pick(gpu, 0.9):.2f} p99 {pick(gpu, 0.99):.2f} "
+          f"max {gpu[-1]:.2f}")
     for k in sorted({r[5] for r in rows}):
         for first in (False, True):
             sel = sorted(r[-1] for r in rows if r[5] == k and r[6] == first)
             took = sorted(r[7] for r in rows if r[5] == k and r[6] == first)
             if sel:
                 print(f"  {k} prompts{', one a first chunk' if first else ''}: {len(sel)} steps, GPU ms p50 "
-                      f"{sel[len(sel) // 2]:.2f} p90 {sel[int(0.9 * len(sel))]:.2f} max {sel[-1]:.2f}; "
-                      f"launch (host) ms p50 {took[len(took) // 2]:.2f} p90 {took[int(0.9 * len(took))]:.2f}")
+                      f"{pick(sel, 0.5):.2f} p90 {pick(sel, 0.9):.2f} max {sel[-1]:.2f}; "
+                      f"launch (host) ms p50 {pick(took, 0.5):.2f} p90 {pick(took, 0.9):.2f}")
     if host_profiled:  # where the host time of 300 more steps goes (cProfile: slower steps, the same calls)
         import cProfile
         import pstats
 
         prof = cProfile.Profile()
         prof.enable()
-        for _ in range(300):
-            for out in engine.step():
-                if out.finished:
-                    add()
+        run(300)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if profiled:  # the kernels of 50 more steps (run with PDL off: kernel times then add up)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(50):
-                for out in engine.step():
-                    if out.finished:
-                        add()
+            run(50)
             torch.cuda.synchronize()
         report(prof, 50, f"serving step, budget {budget}")
     return rows

@@ -32,6 +32,10 @@ MODEL=${MODEL:-dummy:qwen2.5-1.5b}
 STAGES=${*:-tests latency throughput prefix serve}
 BENCH_CMD=(python3 -m picovllm.entrypoints.cli bench)
 bench() { "${BENCH_CMD[@]}" "$1" "${@:2}" ${ENGINE_ARGS:-}; }
+offline64() {  # the offline decode step at the serving benchmark's batch and lengths (its ITL's yardstick)
+  bench latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 | grep -v "it/s\]" \
+      | tee "$OUT/offline64.log"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -70,8 +74,7 @@ for stage in $STAGES; do
       python3 benchmarks/profile_decode.py prefix 2>&1 | grep -E "^warm|us/step" | head -12 | tee "$OUT/prefix_profile.log" ;;
     serve)
       echo "== serving (and the offline decode step at the same batch size, for its ITL) =="
-      bench latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
-          | grep -v "it/s\]" | tee "$OUT/offline64.log"
+      offline64
       bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 \
           --output-len 128 --save-dir "$OUT" 2>&1 | grep -v "it/s\]" | tee "$OUT/serve.log"
       echo "-- a serving step offline: 64 decodes + a 192-token prompt chunk --"
@@ -88,8 +91,7 @@ for stage in $STAGES; do
       done ;;
     serve_target)
       echo "== the serving issue's target: p99 ITL within 1.5x of the offline decode step at batch 64 (three serving runs) =="
-      bench latency --model "$MODEL" --batch-sizes 64 --input-len 512 --output-len 128 2>&1 \
-          | grep -v "it/s\]" | tee "$OUT/offline64.log" | grep -E "^picovllm"
+      offline64 | grep -E "^picovllm"
       for run in 1 2 3; do
         bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 \
             --max-num-batched-tokens 128 --max-num-seqs 64 --save-dir "$OUT/serve_b128_run$run" 2>&1 | grep -v "it/s\]" \

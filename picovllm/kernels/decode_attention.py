@@ -22,10 +22,10 @@ MAX_SPLITS = 32
 # number of them decode, so the batch size says nothing; num_splits(256 slots) = 1 had left 64 decodes
 # over ~600 keys to one program each (38 us per layer on the H200). Slots that do not decode exit.
 MIXED_SPLITS = 8
-# ... and each split at least this many keys. 64 decodes over ~600 keys plus a 64-token prompt
-# chunk (`profile_decode.py mixed 64 64`, H200, with PDL on, so kernel times include overlap):
-# kernel time per step 3.42 ms with splits of 96 keys, 3.14 with at least 128, 3.99 with at least
-# 256; wall 3.74-3.89 / 3.49-3.84 / 3.84-3.85 ms (benchmarks/README.md).
+# ... and each split at least this many keys. The kernel alone as a 128-token mixed-step graph runs
+# it, 64 decodes over 560-623 keys, 8 splits (`attention_sweep.py decode`, H200): 26.5 / 27.0 /
+# 22.4 / 27.8 / 31.8 / 45.0 us per layer with splits of at least 32 / 64 / 128 / 192 / 256 / 512
+# keys (benchmarks/README.md).
 MIXED_MIN_KEYS = 128
 
 
