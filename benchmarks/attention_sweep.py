@@ -8,6 +8,8 @@ cached, as `profile_decode.py serve 128 64` sees them) also over key splits (num
 both 16 in a graph; each split at least 2 key tiles).
 
 Usage: PYTHONPATH=. python benchmarks/attention_sweep.py
+       PYTHONPATH=. python benchmarks/attention_sweep.py splits
+         the key-split sweep alone (BLOCK_N 32 / 64 / 128), for the warm hit and the late chunk
        PYTHONPATH=. python benchmarks/attention_sweep.py decode
          the decode kernel (kernels/decode_attention.py) as a mixed-step graph of 128 tokens runs it:
          64 decodes over 560-623 keys beside a 64-token prompt chunk, 128 sequence slots, over the
@@ -37,8 +39,10 @@ def inputs(new: int, cached: int):
     return query, k_cache, v_cache, tables, torch.tensor([ctx], device="cuda"), torch.tensor([0, new], device="cuda")
 
 
-def main() -> None:
+def main(only_splits: bool = False) -> None:
     for name, (new, cached) in CASES.items():
+        if only_splits and cached <= 3 * new:
+            continue
         query, kc, vc, tables, ctx, qsl = inputs(new, cached)
         flops = 4 * HEADS * DIM * sum(cached + i + 1 for i in range(new))
 
@@ -50,18 +54,18 @@ def main() -> None:
                          reps=20)
 
         results = []
-        for cfg in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+        for cfg in [] if only_splits else itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
             try:
                 results.append((time(*cfg), cfg, False))
             except Exception:  # out of registers or shared memory
                 continue
         results.sort()
-        results.append((time(*results[0][1], reverse=True), results[0][1], True))
+        results += [] if only_splits else [(time(*results[0][1], reverse=True), results[0][1], True)]
         for t, cfg, reverse in results[:3] + [r for r in results if r[1] == DEFAULT] + results[-1:]:
             print(f"{name:13s} BLOCK_M={cfg[0]:3d} BLOCK_N={cfg[1]:3d} warps={cfg[2]} stages={cfg[3]}"
                   f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
         if cached > 3 * new:  # few queries over a long prefix: other key splits than num_splits() gives
-            for bn, splits in itertools.product((32, 64), (1, 2, 4, 8, 16, 32, 64)):
+            for bn, splits in itertools.product((32, 64, 128), (1, 2, 4, 8, 16, 32, 64)):
                 try:
                     t = time(64, bn, 4, 2, splits=splits)
                 except Exception as e:  # (a sweep goes on)
@@ -100,4 +104,4 @@ def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
 
 
 if __name__ == "__main__":
-    decode() if sys.argv[1:] == ["decode"] else main()
+    decode() if sys.argv[1:] == ["decode"] else main(only_splits=sys.argv[1:] == ["splits"])

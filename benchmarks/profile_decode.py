@@ -5,7 +5,8 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
        PYTHONPATH=. python benchmarks/profile_decode.py prefix [CACHED] [NEW]
          the warm request of `picovllm bench prefix` scenario b: a prompt whose first CACHED
          tokens (default 2083) are in the prefix cache and NEW (default 40) are not, with the
-         default engine (graphs); prints its wall time (TTFT) next to the GPU kernel time.
+         default engine (graphs); prints its wall time (TTFT) next to the GPU kernel time, and
+         the time line of one request (host phases, GPU time; see timeline());
          `prefix 0 2123`: the same prompt's cold prefill;
        PYTHONPATH=. python benchmarks/profile_decode.py mixed [BATCH] [NEW]
          a serving step: BATCH (default 64) decodes plus a NEW-token prompt (default 448) in every
@@ -64,6 +65,48 @@ def decode(batch: int, eager: bool) -> None:
     report(prof, STEPS, f"decode batch {batch}")
 
 
+def timeline(llm, prompts: list, params: SamplingParams) -> None:
+    """Median phases of one-request generate() calls: host time before the engine's step, in the
+    scheduler, launching the step (prepare, graph replay, LM head and sampler launches), and the
+    GPU time from the launch's start to its end (CUDA events)."""
+    engine = llm.llm_engine
+    marks: dict = {}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            marks[name + "0"] = time.perf_counter()
+            out = fn(*args, **kwargs)
+            marks[name + "1"] = time.perf_counter()
+            return out
+        return call
+
+    def launch(batch, pending=None):
+        marks["events"] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        marks["events"][0].record()
+        out = timed("launch", original[1])(batch, pending)
+        marks["events"][1].record()
+        return out
+
+    original = engine.scheduler.schedule, engine._launch, engine.step
+    engine.scheduler.schedule, engine._launch, engine.step = timed("schedule", original[0]), launch, timed("step", original[2])
+    rows = []
+    try:
+        for p in prompts:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate(p, params, use_tqdm=False)
+            end = time.perf_counter()
+            torch.cuda.synchronize()
+            rows.append(((end - start) * 1e3, (marks["step0"] - start) * 1e3,
+                         (marks["schedule1"] - marks["schedule0"]) * 1e3, (marks["launch1"] - marks["launch0"]) * 1e3,
+                         marks["events"][0].elapsed_time(marks["events"][1])))
+    finally:
+        engine.scheduler.schedule, engine._launch, engine.step = original
+    med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
+    print(f"timeline (median ms of {len(rows)}): generate {med[0]:.2f} = before the step {med[1]:.2f}, schedule "
+          f"{med[2]:.2f}, launch (host) {med[3]:.2f}; GPU from the launch's start to its end {med[4]:.2f}")
+
+
 def warm_prefill(cached: int = 2083, new: int = 40) -> None:
     llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.5)
     prefix = [100 + i % 1000 for i in range(cached)]
@@ -73,6 +116,7 @@ def warm_prefill(cached: int = 2083, new: int = 40) -> None:
     queries = [{"prompt_token_ids": prefix + [2000 + 7 * q + i for i in range(new)]} for q in range(2 * STEPS)]
     for q in queries[:STEPS]:  # warm-up (kernel compilation)
         llm.generate(q, one, use_tqdm=False)
+    timeline(llm, [{"prompt_token_ids": prefix + [3000 + 7 * q + i for i in range(new)]} for q in range(STEPS)], one)
     torch.cuda.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -12,6 +12,7 @@
 #   serve_host: the same loop at budget 128, then a cProfile of 300 steps (where the host time per step goes),
 #   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
+#   warm: a warm prefix hit's time line (host phases, GPU time) with PDL on, then its kernels with PDL off,
 #   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's target),
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
@@ -71,7 +72,11 @@ for stage in $STAGES; do
       echo "== prefix caching =="
       bench prefix --model "$MODEL" 2>&1 | grep -v "it/s\]" | tee "$OUT/prefix.log"
       echo "-- where a warm hit's GPU time goes (scenario b) --"
-      python3 benchmarks/profile_decode.py prefix 2>&1 | grep -E "^warm|us/step" | head -12 | tee "$OUT/prefix_profile.log" ;;
+      python3 benchmarks/profile_decode.py prefix 2>&1 | grep -E "^warm|^timeline|us/step" | head -13 | tee "$OUT/prefix_profile.log" ;;
+    warm)
+      echo "== a warm prefix hit (scenario b): its time line with the engine's defaults, then its kernels (PDL off) =="
+      PICOVLLM_PDL=1 python3 benchmarks/profile_decode.py prefix 2>&1 | grep -E "^timeline" | tee "$OUT/warm.log"
+      python3 benchmarks/profile_decode.py prefix 2>&1 | grep -E "^warm|^timeline|us/step" | head -24 | tee -a "$OUT/warm.log" ;;
     serve)
       echo "== serving (and the offline decode step at the same batch size, for its ITL) =="
       offline64
