@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import array
 import itertools
 import logging
 import os
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype
@@ -90,10 +92,16 @@ def process_prompt(prompt: PromptType, params: SamplingParams, tokenizer, vocab_
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
         text, ids, vocab = None, list(prompt), vocab_size
-        # the common case checked in C (set, map, min, max: ~10x faster than a Python loop over
-        # a 2,000-token prompt), the first offender found only when there is one
-        if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
-            bad = next(t for t in ids if type(t) is not int or not 0 <= t < vocab)
+        # The common case checked in C: array() takes integers only (anything with __index__),
+        # numpy its range: 75 us for a 2,000-token prompt, against 170 for set(map(type)), min()
+        # and max(), and ~10x that for a Python loop; the first offender is looked for only when
+        # there is one.
+        try:
+            ok = not ids or 0 <= (a := np.frombuffer(array.array("q", ids), dtype=np.int64)).min() <= a.max() < vocab
+        except (TypeError, OverflowError):
+            ok = False
+        if not ok:
+            bad = next(t for t in ids if not hasattr(t, "__index__") or not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
     else:
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
