@@ -54,6 +54,31 @@ def test_mixed_graph_sizes_and_padding_choice():
     assert graphs.padded_size(16, 3, 9) == 16 and graphs.padded_size(16, 3, 10) == 128
 
 
+def test_mixed_graph_runs_the_decode_kernel_only_when_a_sequence_decodes():
+    """Each token count is captured twice; a step replays the graph without the decode kernel
+    exactly when none of its sequences has a single token."""
+    graphs = MixedGraphs(None, 32, max_num_seqs=4, max_model_len=64, block_size=4, device=torch.device("cpu"))
+    assert graphs.keys() == [(32, True), (32, False), (16, True), (16, False)]
+    assert [graphs.args(k)[2].any_single_query for k in graphs.keys()] == [True, False, True, False]
+
+    def key(query_lens):
+        inputs = build_inputs([list(range(n)) for n in query_lens], np.array([n + 4 for n in query_lens]),
+                              np.array(query_lens), [[1, 2, 3], [4, 5, 6]], 4, Uploader(torch.device("cpu")),
+                              pad_mixed=(16, 4, graphs.work_capacity(16)))
+        return graphs.fill(inputs)
+
+    assert key([5, 1]) == (16, True)  # a prompt chunk and a decode
+    assert key([5, 3]) == (16, False)  # two prompt chunks
+    ids, positions, meta = graphs.args((16, False))  # what the step's one packed copy put in the graph's buffers
+    assert ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] + [0] * 8
+    assert positions.tolist() == [4, 5, 6, 7, 8, 4, 5, 6] + [0] * 8
+    assert meta.slot_mapping.tolist() == [2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 3 * 4, 5 * 4, 5 * 4 + 1, 5 * 4 + 2] + [-1] * 8
+    assert meta.context_lens.tolist() == [9, 7, 0, 0] and meta.query_start_loc.tolist() == [0, 5, 8, 8, 8]
+    assert meta.prefill_work.tolist() == [0, 1 << 16] + [-1] * 7
+    assert meta.block_tables[:2].tolist() == [[1, 2, 3] + [0] * 13, [4, 5, 6] + [0] * 13]
+    assert key([1, 1]) == (16, True)
+
+
 def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     """A decode and a prompt chunk in one step, padded as a mixed-step graph would take it
     (16 tokens, 4 sequences), run through the same forward: the sampled rows' logits are those

@@ -5,9 +5,12 @@ memory pool. A step's inputs come padded to the next captured size (padding rows
 nothing is stored, and a one-token context; model_runner.build_inputs), are copied into the
 buffers with two device copies, and the graph replays; larger batches run eagerly.
 
-Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: one graph
+Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: two graphs
 per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
-max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens. Padding tokens
+max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens: one runs the decode
+attention kernel for the sequences with one token, the other, for steps without such sequences
+(a lone prompt, a prefix-cache hit), leaves it out (its programs would all exit, but two kernels
+per layer still cost about 80 us per step on the H200). Padding tokens
 belong to no sequence (slot -1, never attended to, their rows are never sampled); padding
 sequences have no tokens and no context. A step with prompt tokens runs eagerly otherwise,
 paying one launch per op (about 12 ms per forward of Qwen2.5-1.5B on an H200, whatever the
@@ -30,8 +33,20 @@ from picovllm.model.layers.attention import AttentionMetadata
 logger = logging.getLogger("picovllm")
 
 MAX_GRAPH_BATCH = 512
+PACK_ALIGN = 16  # elements: a step's arrays are packed for upload with each starting 128-byte aligned,
+# so that Triton compiles one variant of each kernel (it specialises on pointer alignment)
 MAX_GRAPH_PREFILLS = 8  # a mixed-step graph serves steps with up to this many multi-token sequences
 _LADDER = [1, 2, 4, 8, *range(16, MAX_GRAPH_BATCH + 1, 16)]
+
+
+def packed_layout(sizes) -> tuple[list[int], int]:
+    """Where arrays of these sizes (elements) start when packed one after another, PACK_ALIGN
+    aligned (model_runner.Uploader, and a mixed-step graph's inputs), and the packed length."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // PACK_ALIGN) * PACK_ALIGN
+    return offsets, total
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -41,10 +56,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class _GraphSet:
-    """Graphs of one model over static input buffers, one graph per size, sharing one memory
-    pool. Both families hold block tables for max_seqs sequences (a step copies the columns its
-    contexts use; entries past a sequence's context are never read); fill() copies a step's
-    padded inputs in and returns the size to replay."""
+    """Graphs of one model over static input buffers, one graph per key (a size, or what keys()
+    says), sharing one memory pool. Both families hold block tables for max_seqs sequences (a step
+    copies the columns its contexts use; entries past a sequence's context are never read);
+    fill() copies a step's padded inputs in and returns the key to replay."""
 
     kind = "?"
 
@@ -57,11 +72,15 @@ class _GraphSet:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) of the graph of this size, views of the buffers."""
+    def keys(self) -> list:
+        """The graphs to capture, largest first (smaller graphs reuse its pool)."""
+        return list(reversed(self.sizes))
+
+    def args(self, key) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of the graph of this key, views of the buffers."""
         raise NotImplementedError
 
-    def fill(self, inputs) -> int:
+    def fill(self, inputs):
         raise NotImplementedError
 
     def _fill_tables(self, block_tables: torch.Tensor) -> None:
@@ -70,29 +89,29 @@ class _GraphSet:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every size, largest first (smaller graphs reuse its pool); returns seconds."""
+        """Capture every key of keys(); returns seconds."""
         start = time.perf_counter()
         pool = None
-        for size in reversed(self.sizes):
-            args = self.args(size)
+        for key in self.keys():
+            args = self.args(key)
             self.model(*args)  # warm-up: compile kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(*args)
+                self.outputs[key] = self.model(*args)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (%s sizes %d..%d) in %.1f s", len(self.sizes), self.kind,
+        logger.info("captured %d CUDA graphs (%s sizes %d..%d) in %.1f s", len(self.graphs), self.kind,
                     self.sizes[0], self.sizes[-1], elapsed)
         return elapsed
 
     def run(self, inputs) -> torch.Tensor:
         """Hidden states (all rows of the captured size) of a step that build_inputs padded."""
-        size = self.fill(inputs)
-        self.graphs[size].replay()
-        return self.outputs[size]
+        key = self.fill(inputs)
+        self.graphs[key].replay()
+        return self.outputs[key]
 
 
 class DecodeGraphs(_GraphSet):
@@ -138,11 +157,15 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
 
 class MixedGraphs(_GraphSet):
     """Steps with prompt tokens, by token count T (a power of two from 16), for up to
-    min(T, max_num_seqs) sequences and work_capacity(T) items of prefill attention work.
+    min(T, max_num_seqs) sequences and work_capacity(T) items of prefill attention work; keyed
+    (T, decodes): decodes says whether the graph runs the decode kernel (some sequence has
+    exactly one token).
 
-    tokens [3, max_tokens]: input ids, positions, slots; context_lens and query_start_loc for
-    max_seqs sequences; the prefill attention's work list. A step copies its padded arrays in
-    (five copies)."""
+    Each token count T has its inputs packed in one buffer (packed_layout of tokens [3, T]: input
+    ids, positions, slots; context_lens [S] and query_start_loc [S + 1] for S = num_seqs(T)
+    sequences; the prefill attention's work list [work_capacity(T)]), which a step fills with one
+    copy of what build_inputs packed the same way; the block tables are shared by all sizes (a
+    second copy)."""
 
     kind = "mixed step tokens"
 
@@ -152,12 +175,15 @@ class MixedGraphs(_GraphSet):
         self.max_num_seqs = max_num_seqs
         seqs = self.num_seqs(sizes[-1])
         super().__init__(model, sizes, seqs, max_model_len, block_size, device)
-        long = dict(dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(3, sizes[-1], **long)
-        self.tokens[2] = -1
-        self.context_lens = torch.zeros(seqs, **long)
-        self.query_start_loc = torch.zeros(seqs + 1, **long)
-        self.work = torch.full((self.work_capacity(sizes[-1]),), -1, **long)
+        self.inputs = {}  # T -> (packed buffer, tokens, context_lens, query_start_loc, work)
+        for size in sizes:
+            lengths = (3 * size, self.num_seqs(size), self.num_seqs(size) + 1, self.work_capacity(size))
+            offsets, total = packed_layout(lengths)
+            packed = torch.zeros(total, dtype=torch.int64, device=device)
+            tokens, ctx, qsl, work = (packed[o: o + n] for o, n in zip(offsets, lengths))
+            tokens = tokens.view(3, size)
+            tokens[2], work[:] = -1, -1  # (what capture runs over: nothing stored, no prefill work)
+            self.inputs[size] = (packed, tokens, ctx, qsl, work)
 
     def num_seqs(self, tokens: int) -> int:
         """Sequences the graph of this token count serves (each has at least one token)."""
@@ -173,23 +199,21 @@ class MixedGraphs(_GraphSet):
         return next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs
                      and self.work_capacity(s) >= work_items), None)
 
-    def args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        seqs = self.num_seqs(size)
-        ids, positions, slots = self.tokens[:, :size]
-        meta = AttentionMetadata(slots, self.block_tables[:seqs], self.context_lens[:seqs],
-                                 self.query_start_loc[:seqs + 1], max_query_len=size,
-                                 max_context_len=self.max_model_len,
-                                 prefill_work=self.work[: self.work_capacity(size)])
+    def keys(self) -> list[tuple[int, bool]]:
+        return [(size, decodes) for size in reversed(self.sizes) for decodes in (True, False)]
+
+    def args(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        size, decodes = key
+        _, (ids, positions, slots), ctx, qsl, work = self.inputs[size]
+        meta = AttentionMetadata(slots, self.block_tables[: self.num_seqs(size)], ctx, qsl, max_query_len=size,
+                                 max_context_len=self.max_model_len, any_single_query=decodes, prefill_work=work)
         return ids, positions, meta
 
-    def fill(self, inputs) -> int:
-        """A step padded to T tokens and num_seqs(T) sequences (ModelInputs with token_rows)."""
+    def fill(self, inputs) -> tuple[int, bool]:
+        """A step padded to T tokens and num_seqs(T) sequences (ModelInputs with token_rows and
+        graph_inputs); returns its key (T, whether some sequence decodes)."""
         size = inputs.token_rows.shape[1]
-        seqs = inputs.meta.block_tables.shape[0]
-        assert seqs == self.num_seqs(size), (seqs, size)
-        self.tokens[:, :size].copy_(inputs.token_rows)
-        self.context_lens[:seqs].copy_(inputs.meta.context_lens)
-        self.query_start_loc[:seqs + 1].copy_(inputs.meta.query_start_loc)
-        self.work[: self.work_capacity(size)].copy_(inputs.meta.prefill_work)
+        assert inputs.meta.block_tables.shape[0] == self.num_seqs(size), (inputs.meta.block_tables.shape, size)
+        self.inputs[size][0].copy_(inputs.graph_inputs)
         self._fill_tables(inputs.meta.block_tables)
-        return size
+        return size, inputs.meta.any_single_query

@@ -12,7 +12,7 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.engine.block_manager import BlockManager
-from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs
+from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs, packed_layout
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from picovllm.engine.scheduler import ScheduledBatch
@@ -31,46 +31,45 @@ class ModelInputs:
     logits_indices: torch.Tensor | None  # rows of the hidden states that are sampled (None: all)
     decode_rows: torch.Tensor | None = None  # decode: [4, B] = input_ids, positions, slots, context lens
     token_rows: torch.Tensor | None = None  # padded for a mixed-step graph: [3, T] = input_ids, positions, slots
+    graph_inputs: torch.Tensor | None = None  # a mixed-step graph's inputs but the tables, packed (MixedGraphs)
 
 
 class Uploader:
     """Moves a step's int64 arrays to the device in one copy: they are packed into a pinned host
-    buffer and copied with non_blocking; the tensors returned are views of one device buffer.
+    buffer (cuda_graph.packed_layout) and copied with non_blocking; the tensors returned are views of one device
+    buffer (on a CPU, of one host array), and packed=True adds the whole packed buffer.
     Two buffer pairs take turns: with a step launched ahead (async scheduling) the host packs
     the next step while the previous copy may still be queued behind the running step; before
     a pair is reused, the copy that last read it is waited for (long done by then)."""
-
-    ALIGN = 16  # elements: every array starts 128-byte aligned, so Triton compiles one variant
-    # of each kernel (it specialises on pointer alignment), not one per packing offset
 
     def __init__(self, device: torch.device):
         self.device = device
         self.slots = [[torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), None] for _ in range(2)]
         self.turn = 0
 
-    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+    def __call__(self, *arrays: np.ndarray, packed: bool = False) -> list[torch.Tensor]:
+        offsets, total = packed_layout(a.size for a in arrays)
         if self.device.type != "cuda":
-            return [torch.from_numpy(a) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.size // self.ALIGN) * self.ALIGN
-        slot = self.slots[self.turn]
-        self.turn ^= 1
-        host, dev, copied = slot
-        if copied is not None:
-            copied.synchronize()
-        if host.numel() < total:
-            size = max(total, 2 * host.numel(), 1 << 16)
-            host = slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            dev = slot[1] = torch.empty(size, dtype=torch.int64, device=self.device)
+            host = dev = torch.zeros(total, dtype=torch.int64)
+        else:
+            slot = self.slots[self.turn]
+            self.turn ^= 1
+            host, dev, copied = slot
+            if copied is not None:
+                copied.synchronize()
+            if host.numel() < total:
+                size = max(total, 2 * host.numel(), 1 << 16)
+                host = slot[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+                dev = slot[1] = torch.empty(size, dtype=torch.int64, device=self.device)
         staged = host.numpy()
         for a, offset in zip(arrays, offsets):
             staged[offset: offset + a.size] = a.ravel()
-        dev[:total].copy_(host[:total], non_blocking=True)
-        slot[2] = torch.cuda.Event()
-        slot[2].record()
-        return [dev[offset: offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)]
+        if self.device.type == "cuda":
+            dev[:total].copy_(host[:total], non_blocking=True)
+            slot[2] = torch.cuda.Event()
+            slot[2].record()
+        return [dev[offset: offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets)] + \
+            ([dev[:total]] if packed else [])
 
 
 def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens: np.ndarray,
@@ -84,7 +83,8 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
     (token 0 at position 0, slot -1 so nothing is stored, a one-token context over block 0);
     pad_mixed = (T, S, W) pads any step to T tokens, S sequences and W prefill work items
     (padding tokens: slot -1, in no sequence; padding sequences: no tokens, no context; padding
-    work items: -1)."""
+    work items: -1), and packs them but the block tables as MixedGraphs lays a graph's inputs out
+    (graph_inputs: one copy)."""
     num_seqs = len(query_lens)
     width = max(1, max(len(t) for t in block_tables))
     rows = pad_to or (pad_mixed[1] if pad_mixed else num_seqs)
@@ -101,13 +101,13 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
     decode = total == num_seqs and (sample is None or bool(sample.all()))
     last = query_start_loc[1:] - 1
     logits_indices = last if sample is None else last[sample]
-    decode_rows = token_rows = None
-    work = None  # the prefill attention's work list (not for decode batches)
+    decode_rows = token_rows = graph_inputs = None
     block_m = BLOCK_M if pad_mixed is not None else work_block_m(int(query_lens.max()))
+    work = None  # the prefill attention's work list (not for decode batches)
     if pad_mixed is not None or not decode:
         work = prefill_work(query_lens, block_m, capacity=pad_mixed[2] if pad_mixed else None)
-    if pad_mixed is not None:  # [3, T] tokens, then the sequences' arrays, padded
-        size, seqs, _ = pad_mixed
+    if pad_mixed is not None:  # the graph's inputs, padded, in MixedGraphs.layout order; then the rest
+        size, seqs, capacity = pad_mixed
         assert size >= total and seqs >= num_seqs, (pad_mixed, total, num_seqs)
         tokens = np.zeros((3, size), dtype=np.int64)
         tokens[2] = -1
@@ -116,9 +116,10 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         context_lens[:num_seqs] = num_tokens
         padded_qsl = np.full(seqs + 1, total, dtype=np.int64)
         padded_qsl[: num_seqs + 1] = query_start_loc
-        token_rows, ctx_dev, tables_dev, qsl_dev, logits_dev, work_dev = upload(
-            tokens, context_lens, tables, padded_qsl, logits_indices, work)
+        token_rows, ctx_dev, qsl_dev, work_dev, tables_dev, logits_dev, packed = upload(
+            tokens, context_lens, padded_qsl, work, tables, logits_indices, packed=True)
         input_ids_dev, positions_dev, slots_dev = token_rows
+        graph_inputs = packed[: packed_layout((3 * size, seqs, seqs + 1, capacity))[1]]
     elif decode:  # one [4, B] array (ids, positions, slots, context lens), which graphs copy at once
         vectors = np.zeros((4, rows), dtype=np.int64)
         vectors[2], vectors[3] = -1, 1
@@ -137,7 +138,7 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
                                max_context_len=int(num_tokens.max()),
                                any_single_query=bool((query_lens == 1).any()), prefill_work=work_dev,
                                prefill_block_m=block_m),
-        logits_indices=logits_dev, decode_rows=decode_rows, token_rows=token_rows,
+        logits_indices=logits_dev, decode_rows=decode_rows, token_rows=token_rows, graph_inputs=graph_inputs,
     )
 
 
@@ -215,8 +216,7 @@ class ModelRunner:
         if batch.is_decode:
             pad_to = self.graphs.padded_size(len(reqs)) if self.graphs is not None else None
         elif self.mixed_graphs is not None:
-            work_items = num_work_items(query_lens)
-            size = self.mixed_graphs.padded_size(int(query_lens.sum()), len(reqs), work_items)
+            size = self.mixed_graphs.padded_size(int(query_lens.sum()), len(reqs), num_work_items(query_lens))
             pad_mixed = None if size is None else (size, self.mixed_graphs.num_seqs(size),
                                                    self.mixed_graphs.work_capacity(size))
         inputs = build_inputs(token_ids, num_tokens, query_lens, [r.block_table for r in reqs],
@@ -262,8 +262,9 @@ class ModelRunner:
         """One forward; the requests that sample and their samples (None when none samples).
         pending: see prepare()."""
         reqs = self.sampling_requests(batch, 0 if pending is None else len(pending))
-        # Sampling parameters go to the device before the forward is queued: a host-to-device
-        # copy from pageable memory would otherwise wait for the whole forward to finish.
-        tensors = self._sampling_tensors(reqs) if reqs else None
         logits = self.logits(batch, pending)
+        # The sampling parameters are built while the forward runs (a new request's: about 0.2 ms
+        # of host time that a lone request's first token would otherwise wait for); they reach
+        # the device through pinned memory, which never waits for the queued forward.
+        tensors = self._sampling_tensors(reqs) if reqs else None
         return reqs, (self.sampler(logits, tensors) if reqs else None)

@@ -37,7 +37,7 @@ class AttentionMetadata(NamedTuple):
     max_query_len: int
     max_context_len: int
     plan: AttentionPlan | None = None  # the reference path's, derived once per forward by prepare()
-    any_single_query: bool = True  # some sequence has exactly one query (host-side; graphs: assume so)
+    any_single_query: bool = True  # some sequence has exactly one query (host-side; mixed graphs: per graph)
     prefill_work: torch.Tensor | None = None  # None: the kernel builds it (a device-to-host copy)
     prefill_block_m: int = PREFILL_BLOCK_M
 
