@@ -29,6 +29,11 @@ TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
 MAX_SPLITS = 16
 MERGE_ROWS = 8  # query rows per merge program
 MAX_PROGRAMS = 12288  # splits only while the grid stays this small (measured: 12k programs for a warm hit)
+# Keys per tile: 64, but 32 once a step splits its keys 8 or more ways (few queries over a long
+# context): shorter splits (at least 2 tiles each) leave more of them busy. In graphs of 64 and
+# 128 tokens (16 splits), kernel + merge per layer (H200, attention_sweep.py): a warm hit, 43
+# queries over 2,080 cached, 19.7 -> 18.8 us; a late chunk, 103 over 409, 17.6 -> 13.1 us.
+BLOCK_N, SPLIT_BLOCK_N, SPLIT_BLOCK_N_FROM = 64, 32, 8
 
 
 def num_splits(num_heads: int, max_query_len: int, block_m: int, work_items: int = 1) -> int:
@@ -180,7 +185,7 @@ def _prefill_merge_kernel(
 def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, context_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                             block_m: int = BLOCK_M, block_n: int = 64, out: torch.Tensor | None = None,
+                             block_m: int = BLOCK_M, block_n: int | None = None, out: torch.Tensor | None = None,
                              skip_single: bool = False, splits: int | None = None,
                              work: torch.Tensor | None = None, num_warps: int | None = None,
                              num_stages: int = 2) -> torch.Tensor:
@@ -188,7 +193,8 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     (prefill_work(..., block_m), on the device); without it, it is built from query_start_loc
     (a device-to-host copy), leaving out the single-query sequences when skip_single (their rows
     of `out` are the decode kernel's). splits: key splits, a power of two (num_splits() unless
-    given). num_warps (default 8 from 128 queries per item, else 4), num_stages: the partition
+    given). block_n: keys per tile (BLOCK_N, or SPLIT_BLOCK_N from SPLIT_BLOCK_N_FROM splits).
+    num_warps (default 8 from 128 queries per item, else 4), num_stages: the partition
     kernel's launch options (2 stages: a little faster than 3 in every case swept)."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
@@ -199,6 +205,7 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     if work.numel() == 0:
         return out
     splits = splits or num_splits(num_heads, max_query_len, block_m, work.numel())
+    block_n = block_n or (SPLIT_BLOCK_N if splits >= SPLIT_BLOCK_N_FROM else BLOCK_N)
     if splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=query.device)
         part_ml = torch.empty((num_tokens, num_heads, 2 * splits), dtype=torch.float32, device=query.device)
