@@ -60,3 +60,22 @@ def test_late_tokens_are_attributed_to_their_client_process():
     too_early = {"client": 1, "start": 10.2, "ttft": 0.001, "itl": [], "e2e": 0.003}  # ends at 10.203
     assert [_late_tokens([c, x], late_ms=5)["late_near_client_request"] for x in (near, after, early, too_early)] \
         == [1, 0, 1, 0]
+
+
+def test_gc_pauses_counts_each_generation_while_started():
+    import gc
+
+    from picovllm.entrypoints.openai.async_engine import GCPauses
+
+    pauses = GCPauses().start()
+    try:
+        for generation in (0, 1, 1, 2):
+            gc.collect(generation)
+    finally:
+        pauses.stop()
+    # (automatic collections may add to these counts)
+    assert all(n >= least for (n, _, _), least in zip(pauses.stats, (1, 2, 1))), pauses.stats
+    assert all(0 < longest <= total for _, total, longest in pauses.stats)
+    before = [list(s) for s in pauses.stats]
+    gc.collect()
+    assert pauses.stats == before  # stopped: nothing more recorded

@@ -215,6 +215,9 @@ def test_serving_benchmark(server, tmp_path):
     # the engine stepped at least once per output token of a request, and is unwrapped again
     assert len(probe.starts) >= 6 and summary["engine_step_ms"]["p99"] >= summary["engine_step_ms"]["p50"] > 0
     assert engine.on_step == on_step and set(summary["gc_pauses"]) == {"gen0", "gen1", "gen2"}
+    if server[1] is None:  # the engine in its own process: its collector's pauses too, counted over the run
+        assert set(summary["engine_gc_pauses"]) == {"gen0", "gen1", "gen2"}
+        assert all(p["max_ms"] <= p["total_ms"] or p["count"] == 0 for p in summary["engine_gc_pauses"].values())
     cpu = summary["cpu_ms_per_step"]
     assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0
     assert (tmp_path / "serve_latency.png").exists()

@@ -9,8 +9,8 @@ per-request timings and a plot.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
-import gc
 import json
 import multiprocessing
 import os
@@ -120,12 +120,16 @@ class EngineProbe:
     """With the server in this process: the intervals between the engine's steps as the server
     sees them (on_step of an AsyncEngine or EngineProcess), the CPU time per step of the engine
     (its thread, or its process and the thread here reading it) and of the HTTP thread, and the
-    garbage collector's pauses here: to tell engine-side stalls from HTTP-side ones in the ITL."""
+    garbage collector's pauses here (and in the engine's process, when it has one): to tell
+    engine-side stalls from HTTP-side ones in the ITL."""
 
     def __init__(self, engine):
+        from picovllm.entrypoints.openai.async_engine import GCPauses
+
         self.starts: list[float] = []
-        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
-        self._gc_start, self._engine, self._inner = 0.0, engine, engine.on_step
+        self._gc = GCPauses().start()
+        self._engine_gc = copy.deepcopy(getattr(engine, "gc_pauses", None))  # (an EngineProcess's, so far)
+        self._engine, self._inner = engine, engine.on_step
 
         def on_step(e, outputs):
             self.starts.append(time.perf_counter())
@@ -133,7 +137,6 @@ class EngineProbe:
                 self._inner(e, outputs)
 
         engine.on_step = on_step
-        gc.callbacks.append(self._on_gc)
         names = ("picovllm-engine", "picovllm-engine-reader", "picovllm-http")
         self._clocks = {t.name.removeprefix("picovllm-"): functools.partial(_thread_cpu_s, t)
                         for t in threading.enumerate() if t.name in names}
@@ -141,25 +144,34 @@ class EngineProbe:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
         self._cpu = {k: clock() for k, clock in self._clocks.items()}
 
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        else:
-            self.pauses[info["generation"]].append(time.perf_counter() - self._gc_start)
-
     def report(self) -> dict:
         """Stops probing (the engine's own on_step again) and returns the figures."""
-        gc.callbacks.remove(self._on_gc)
+        self._gc.stop()
         self._engine.on_step = self._inner
         gaps = np.diff(self.starts)
         steps = _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
-        pauses = {f"gen{g}": {"count": len(p), "max_ms": 1e3 * max(p, default=0), "total_ms": 1e3 * sum(p)}
-                  for g, p in self.pauses.items()}
+        pauses = _gc_summary(self._gc.stats)
         cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
-        print(f"engine step interval (ms): mean {steps['mean']:.2f} p50 {steps['p50']:.2f} p90 {steps['p90']:.2f} "
-              f"p99 {steps['p99']:.2f}; CPU per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
-              + "; gc pauses: " + ", ".join(f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items()))
-        return {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "gc_pauses": pauses}
+        line = (f"engine step interval (ms): mean {steps['mean']:.2f} p50 {steps['p50']:.2f} p90 {steps['p90']:.2f} "
+                f"p99 {steps['p99']:.2f}; CPU per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+                + "; gc pauses: " + _gc_line(pauses))
+        out = {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "gc_pauses": pauses}
+        engine_gc = getattr(self._engine, "gc_pauses", None)
+        if engine_gc is not None:  # counts and totals over the run; the longest since the engine started
+            before = self._engine_gc or [[0, 0.0, 0.0]] * 3
+            out["engine_gc_pauses"] = _gc_summary([[n - b[0], t - b[1], m] for (n, t, m), b in zip(engine_gc, before)])
+            line += "; in the engine process: " + _gc_line(out["engine_gc_pauses"]) + " (max: since its start)"
+        print(line)
+        return out
+
+
+def _gc_summary(stats: list[list]) -> dict:
+    return {f"gen{g}": {"count": n, "total_ms": 1e3 * total, "max_ms": 1e3 * longest}
+            for g, (n, total, longest) in enumerate(stats)}
+
+
+def _gc_line(pauses: dict) -> str:
+    return ", ".join(f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items())
 
 
 def _stats(values: list[float]) -> dict:

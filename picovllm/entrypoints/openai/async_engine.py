@@ -58,6 +58,31 @@ def frozen_heap():
         gc.unfreeze()
 
 
+class GCPauses:
+    """The pauses of Python's garbage collector in this process while started: per generation,
+    [collections, total seconds, longest seconds] (stats). The engine process sends its own with
+    every step (EngineProcess.gc_pauses), so that a benchmark can tell the engine's stalls from
+    the server's."""
+
+    def __init__(self):
+        self.stats = [[0, 0.0, 0.0] for _ in range(3)]
+        self._began = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            took, s = time.perf_counter() - self._began, self.stats[info["generation"]]
+            s[0], s[1], s[2] = s[0] + 1, s[1] + took, max(s[2], took)
+
+    def start(self) -> GCPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
 class _Background:
     """What both kinds share: the streams, and delivering a step's outputs to them. A subclass
     sets tokenizer, vocab_size and max_model_len, and sends commands (_send: ("add", request_id,
@@ -220,10 +245,11 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     sent: dict[str, list[list[int]]] = {}
     try:
         with frozen_heap():
+            pauses = GCPauses().start()
             while True:
                 idle = not engine.has_unfinished_requests()
                 if idle:  # the metrics after aborts that left nothing to step
-                    outputs.send(("step", [], engine.get_metrics()))
+                    outputs.send(("step", [], engine.get_metrics(), pauses.stats))
                 while commands.poll(None if idle else 0):
                     cmd = commands.recv()
                     if cmd is None:
@@ -235,7 +261,8 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
                         sent.pop(cmd[1], None)
                     idle = False
                 if engine.has_unfinished_requests():
-                    outputs.send(("step", [_delta(o, sent) for o in engine.step()], engine.get_metrics()))
+                    outputs.send(("step", [_delta(o, sent) for o in engine.step()], engine.get_metrics(),
+                                  pauses.stats))
     except EOFError:  # the server went away
         return
     except BaseException as e:
@@ -277,6 +304,7 @@ class EngineProcess(_Background):
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
         self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
         self._metrics: dict[str, int] = {}
+        self.gc_pauses: list[list] | None = None  # the engine process's GCPauses.stats, as of its last step
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
         self._closing = False
@@ -316,7 +344,7 @@ class EngineProcess(_Background):
                 msg = self._outputs.recv()
                 if msg[0] == "error":
                     raise msg[1]
-                _, deltas, self._metrics = msg
+                _, deltas, self._metrics, self.gc_pauses = msg
                 self._deliver_step([out for d in deltas if (out := self._rebuild(*d)) is not None])
         except EOFError:
             if not self._closing:
