@@ -7,12 +7,12 @@ buffers with two device copies, and the graph replays; larger batches run eagerl
 
 Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: two graphs
 per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
-max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens: one runs the decode
-attention kernel for the sequences with one token, the other, for steps without such sequences
-(a lone prompt, a prefix-cache hit), leaves it out (its programs would all exit, but two kernels
-per layer still cost about 80 us per step on the H200). Padding tokens
-belong to no sequence (slot -1, never attended to, their rows are never sampled); padding
-sequences have no tokens and no context. A step with prompt tokens runs eagerly otherwise,
+max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens: one runs the
+decode attention kernel for the sequences with one token, the other, for steps without such
+sequences (a lone prompt, a prefix-cache hit), leaves it out (its programs would all exit, but
+two kernels per layer still cost about 80 us per step on the H200). Padding tokens belong to no
+sequence (slot -1, never attended to, their rows are never sampled); padding sequences have no
+tokens and no context. A step with prompt tokens runs eagerly otherwise,
 paying one launch per op (about 12 ms per forward of Qwen2.5-1.5B on an H200, whatever the
 length: benchmarks/README.md).
 
@@ -69,8 +69,8 @@ class _GraphSet:
         self.sizes = sizes
         self.max_model_len = max_model_len
         self.block_tables = torch.zeros(max_seqs, -(-max_model_len // block_size), dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[object, torch.cuda.CUDAGraph] = {}  # by key (see keys())
+        self.outputs: dict[object, torch.Tensor] = {}
 
     def keys(self) -> list:
         """The graphs to capture, largest first (smaller graphs reuse its pool)."""
