@@ -36,9 +36,9 @@ class ModelInputs:
 
 class Uploader:
     """Moves a step's int64 arrays to the device in one copy: they are packed into a pinned host
-    buffer (cuda_graph.packed_layout) and copied with non_blocking; the tensors returned are views of one device
-    buffer (on a CPU, of one host array), and packed=True adds the whole packed buffer.
-    Two buffer pairs take turns: with a step launched ahead (async scheduling) the host packs
+    buffer (cuda_graph.packed_layout) and copied with non_blocking; the tensors returned are views
+    of one device buffer (on a CPU, of one host buffer), and packed=True adds the whole packed
+    buffer (a mixed-step graph's inputs are its prefix). Two buffer pairs take turns: with a step launched ahead (async scheduling) the host packs
     the next step while the previous copy may still be queued behind the running step; before
     a pair is reused, the copy that last read it is waited for (long done by then)."""
 
