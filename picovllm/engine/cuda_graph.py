@@ -12,9 +12,8 @@ decode attention kernel for the sequences with one token, the other, for steps w
 sequences (a lone prompt, a prefix-cache hit), leaves it out (its programs would all exit, but
 two kernels per layer still cost about 80 us per step on the H200). Padding tokens belong to no
 sequence (slot -1, never attended to, their rows are never sampled); padding sequences have no
-tokens and no context. A step with prompt tokens runs eagerly otherwise,
-paying one launch per op (about 12 ms per forward of Qwen2.5-1.5B on an H200, whatever the
-length: benchmarks/README.md).
+tokens and no context. A step with prompt tokens runs eagerly otherwise, paying one launch per
+op (about 12 ms per forward of Qwen2.5-1.5B on an H200, whatever the length: benchmarks/README.md).
 
 Inside a graph nothing may allocate new memory outside the pool, sync with the host, or depend on
 data for control flow: the decode attention's grid depends on the batch size alone (each sequence
@@ -214,6 +213,7 @@ class MixedGraphs(_GraphSet):
         graph_inputs); returns its key (T, whether some sequence decodes)."""
         size = inputs.token_rows.shape[1]
         assert inputs.meta.block_tables.shape[0] == self.num_seqs(size), (inputs.meta.block_tables.shape, size)
-        self.inputs[size][0].copy_(inputs.graph_inputs)
+        packed = self.inputs[size][0]
+        packed.copy_(inputs.graph_inputs[: packed.numel()])
         self._fill_tables(inputs.meta.block_tables)
         return size, inputs.meta.any_single_query

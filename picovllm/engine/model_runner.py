@@ -31,14 +31,15 @@ class ModelInputs:
     logits_indices: torch.Tensor | None  # rows of the hidden states that are sampled (None: all)
     decode_rows: torch.Tensor | None = None  # decode: [4, B] = input_ids, positions, slots, context lens
     token_rows: torch.Tensor | None = None  # padded for a mixed-step graph: [3, T] = input_ids, positions, slots
-    graph_inputs: torch.Tensor | None = None  # a mixed-step graph's inputs but the tables, packed (MixedGraphs)
+    graph_inputs: torch.Tensor | None = None  # the packed upload: a mixed-step graph's inputs but the tables first
 
 
 class Uploader:
     """Moves a step's int64 arrays to the device in one copy: they are packed into a pinned host
     buffer (cuda_graph.packed_layout) and copied with non_blocking; the tensors returned are views
-    of one device buffer (on a CPU, of one host buffer), and packed=True adds the whole packed
-    buffer (a mixed-step graph's inputs are its prefix). Two buffer pairs take turns: with a step launched ahead (async scheduling) the host packs
+    of one device buffer, and packed=True adds the whole packed buffer (a mixed-step graph copies
+    its inputs from its start). On a CPU the arrays are used as they are, packed only if asked.
+    Two buffer pairs take turns: with a step launched ahead (async scheduling) the host packs
     the next step while the previous copy may still be queued behind the running step; before
     a pair is reused, the copy that last read it is waited for (long done by then)."""
 
@@ -48,6 +49,8 @@ class Uploader:
         self.turn = 0
 
     def __call__(self, *arrays: np.ndarray, packed: bool = False) -> list[torch.Tensor]:
+        if self.device.type != "cuda" and not packed:
+            return [torch.from_numpy(a) for a in arrays]
         offsets, total = packed_layout(a.size for a in arrays)
         if self.device.type != "cuda":
             host = dev = torch.zeros(total, dtype=torch.int64)
@@ -106,8 +109,8 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
     work = None  # the prefill attention's work list (not for decode batches)
     if pad_mixed is not None or not decode:
         work = prefill_work(query_lens, block_m, capacity=pad_mixed[2] if pad_mixed else None)
-    if pad_mixed is not None:  # the graph's inputs, padded, in MixedGraphs.layout order; then the rest
-        size, seqs, capacity = pad_mixed
+    if pad_mixed is not None:  # the graph's inputs, padded, in MixedGraphs' packed order; then the rest
+        size, seqs, _ = pad_mixed
         assert size >= total and seqs >= num_seqs, (pad_mixed, total, num_seqs)
         tokens = np.zeros((3, size), dtype=np.int64)
         tokens[2] = -1
@@ -116,10 +119,9 @@ def build_inputs(token_ids: list[list[int]], num_tokens: np.ndarray, query_lens:
         context_lens[:num_seqs] = num_tokens
         padded_qsl = np.full(seqs + 1, total, dtype=np.int64)
         padded_qsl[: num_seqs + 1] = query_start_loc
-        token_rows, ctx_dev, qsl_dev, work_dev, tables_dev, logits_dev, packed = upload(
+        token_rows, ctx_dev, qsl_dev, work_dev, tables_dev, logits_dev, graph_inputs = upload(
             tokens, context_lens, padded_qsl, work, tables, logits_indices, packed=True)
         input_ids_dev, positions_dev, slots_dev = token_rows
-        graph_inputs = packed[: packed_layout((3 * size, seqs, seqs + 1, capacity))[1]]
     elif decode:  # one [4, B] array (ids, positions, slots, context lens), which graphs copy at once
         vectors = np.zeros((4, rows), dtype=np.int64)
         vectors[2], vectors[3] = -1, 1

@@ -33,8 +33,11 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked by min_tokens
     generators: list[torch.Generator | None]
     all_greedy: bool
-    any_greedy: bool
     max_logprobs: int | None  # the largest logprobs=k asked for; None when no request asked
+
+    @property
+    def any_greedy(self) -> bool:
+        return self.all_greedy or self.greedy is not None
 
     @classmethod
     def from_requests(cls, reqs: list[Request], vocab_size: int, eos_ids: set[int],
@@ -75,7 +78,6 @@ class SamplingTensors:
             if banned_rows else None,
             generators=[r.generator for r in reqs],
             all_greedy=all_greedy,
-            any_greedy=any(greedy),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
