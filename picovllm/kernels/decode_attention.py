@@ -58,8 +58,8 @@ def _decode_partition_kernel(
     q, k_cache, v_cache, block_tables, context_lens, query_start_loc, part_acc, part_m, part_l, out,
     s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
     s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
-    scale, block_size, head_dim, group,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MIN_PART: tl.constexpr,
+    scale, group,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MIN_PART: tl.constexpr,
     PRECISION: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -77,15 +77,16 @@ def _decode_partition_kernel(
     d = tl.arange(0, BLOCK_D)
     heads = kvh * group + g
     gmask = g < group
-    dmask = d < head_dim
+    dmask = d < HEAD_DIM
     qv = tl.load(q + row * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
                  mask=gmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i, l_i, acc = attend_paged_keys(qv, m_i, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb, s_tw, kvh,
-                                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start, end, block_size, d,
-                                      dmask, scale, CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+                                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start, end, d,
+                                      dmask, scale, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N,
+                                      PRECISION=PRECISION)
     out_mask = gmask[:, None] & dmask[None, :]
     if SPLITS == 1:  # the whole context in one program: the output, no partials to merge
         tl.store(out + row * s_ob + heads[:, None] * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
@@ -98,8 +99,8 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc, out,
-                         s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh, head_dim,
-                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_PART: tl.constexpr,
+                         s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
+                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_PART: tl.constexpr,
                          MIXED: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -114,9 +115,9 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc
     l = tl.load(part_l + b * s_mb + h * s_mh + s, mask=smask, other=0.0)
     w = tl.where(smask, tl.exp(m - tl.max(m, axis=0)), 0.0)
     acc = tl.load(part_acc + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
-                  mask=smask[:, None] & (d[None, :] < head_dim), other=0.0)
+                  mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     res = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(out + row * s_ob + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < head_dim)
+    tl.store(out + row * s_ob + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -155,13 +156,14 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         query, k_cache, v_cache, block_tables, context_lens, qsl, part_acc, part_m, part_l, out,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, out.stride(0), out.stride(1),
-        scale, k_cache.shape[1], head_dim, group,
+        scale, group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, MIN_PART=min_part,
         PRECISION=dot_precision(query.dtype), MIXED=mixed, **pdl(query),
     )
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            part_acc, part_m, part_l, context_lens, qsl, out, *part_strides, out.stride(0), out.stride(1), head_dim,
-            SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIN_PART=min_part, MIXED=mixed, **pdl(query),
+            part_acc, part_m, part_l, context_lens, qsl, out, *part_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIN_PART=min_part, MIXED=mixed,
+            **pdl(query),
         )
     return out

@@ -57,17 +57,19 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 @triton.jit
 def attend_paged_keys(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
                       c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,
-                      start, end, block_size, d, dmask, scale,
-                      CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                      start, end, d, dmask, scale,
+                      BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """The Triton kernels' shared inner loop: queries qv [M, D] attend to the keys at positions
     [start, end) of one sequence, read BLOCK_N at a time through its block table row, updating
     the online softmax (running max m_i, sum l_i, unnormalised acc). CAUSAL masks keys after each
-    query's position q_pos."""
+    query's position q_pos. BLOCK_SIZE (the cache's tokens per block) is a compile-time constant:
+    with a runtime one, `n // block_size` and `n % block_size` were 64-bit divisions, eleven per
+    key tile in the prefill kernel's loop."""
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        blk = tl.load(table_row + (n // block_size) * s_tw, mask=nmask, other=0).to(tl.int64)
-        off = n % block_size
+        blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw, mask=nmask, other=0).to(tl.int64)
+        off = n % BLOCK_SIZE
         kvmask = nmask[:, None] & dmask[None, :]
         kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
                      mask=kvmask, other=0.0)

@@ -97,8 +97,8 @@ def _prefill_kernel(
     q, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
     s_qt, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw, s_ot, s_oh,
     s_at, s_ah, s_as, s_mt, s_mh,
-    scale, block_size, head_dim, group,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    scale, group,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     SPLITS: tl.constexpr, MIN_PART: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -118,7 +118,7 @@ def _prefill_kernel(
     m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     mmask = m < q_len
-    dmask = d < head_dim
+    dmask = d < HEAD_DIM
     rows = q_start + m
     qv = tl.load(q + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd, mask=mmask[:, None] & dmask[None, :],
                  other=0.0)
@@ -128,7 +128,7 @@ def _prefill_kernel(
     # rows whose queries come before `start` see no key here (NaN partials): the merge skips them
     m_i, l_i, acc = attend_paged_keys(qv, prefix + m, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb,
                                       s_tw, kvh, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start,
-                                      tl.minimum(start + part, end), block_size, d, dmask, scale, CAUSAL=True,
+                                      tl.minimum(start + part, end), d, dmask, scale, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=True,
                                       BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     out_mask = mmask[:, None] & dmask[None, :]
     if part >= end:  # the whole range in one split: the output, no partials to merge
@@ -142,8 +142,8 @@ def _prefill_kernel(
 
 @triton.jit
 def _prefill_merge_kernel(
-    context_lens, query_start_loc, work, out, part_acc, part_ml, s_ot, s_oh, s_at, s_ah, s_as, s_mt, s_mh, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    context_lens, query_start_loc, work, out, part_acc, part_ml, s_ot, s_oh, s_at, s_ah, s_as, s_mt, s_mh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     MIN_PART: tl.constexpr, MERGE_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
@@ -159,7 +159,7 @@ def _prefill_merge_kernel(
     if part >= end or mblk * BLOCK_M + r0 >= q_len:  # written by the partition kernel, or no rows here
         return
     d = tl.arange(0, BLOCK_D)
-    dmask = d < head_dim
+    dmask = d < HEAD_DIM
     m = mblk * BLOCK_M + r0 + tl.arange(0, MERGE_ROWS)
     mmask = m < q_len
     rows = q_start + m
@@ -218,7 +218,7 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     _prefill_kernel[(work.numel(), num_heads, splits)](
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
-        *part_strides, scale, k_cache.shape[1], head_dim, num_heads // k_cache.shape[2],
+        *part_strides, scale, num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         PRECISION=dot_precision(query.dtype), num_warps=num_warps or (8 if block_m >= 128 else 4),
         num_stages=num_stages, **consts,
     )
@@ -226,6 +226,6 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         merge_rows = min(MERGE_ROWS, block_m)
         _prefill_merge_kernel[(work.numel(), num_heads, block_m // merge_rows)](
             context_lens, query_start_loc, work, out, part_acc, part_ml, out.stride(0), out.stride(1), *part_strides,
-            head_dim, MERGE_ROWS=merge_rows, **consts,
+            HEAD_DIM=head_dim, MERGE_ROWS=merge_rows, **consts,
         )
     return out

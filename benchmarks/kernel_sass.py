@@ -1,0 +1,85 @@
+"""The attention kernels compiled for an H100 / H200 (sm_90) on any machine, no GPU needed: the
+SASS instruction count of each kernel and of its key loop, and the calls it makes (64-bit integer
+division is a call). Shapes: Qwen2.5-1.5B's (12 query heads of 128 over 2 KV heads, block size 16,
+bf16); tiles as a warm prefix hit's mixed-step graph runs the prefill kernel (64 queries, 32-key
+tiles, 16 splits) and as a batch-1 decode step runs the decode kernel (32 splits of 32 keys).
+
+Usage: python benchmarks/kernel_sass.py
+Integer arguments are given as Triton would see them at launch: strides of 1 as constants, the
+others divisible by 16 (the block-table row stride is not specialised)."""
+import os
+import re
+import subprocess
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from picovllm.kernels import decode_attention, prefill_attention
+
+ATTENTION_POINTERS = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i64",
+                      "context_lens": "*i64", "query_start_loc": "*i64", "work": "*i64", "out": "*bf16",
+                      "part_acc": "*fp32", "part_ml": "*fp32", "part_m": "*fp32", "part_l": "*fp32"}
+UNIT_STRIDES = {"s_qd", "c_kd", "c_vd", "s_tw"}
+KERNELS = {
+    "prefill (warm hit, 64 x 32 tiles, 16 splits)": (prefill_attention._prefill_kernel, dict(
+        BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, PRECISION="tf32", SPLITS=16, MIN_PART=64,
+        USE_PDL=True), 4),
+    "decode (batch 1, 32 splits)": (decode_attention._decode_partition_kernel, dict(
+        BLOCK_SIZE=16, HEAD_DIM=128, SPLITS=32, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, MIN_PART=32, PRECISION="tf32",
+        MIXED=False, USE_PDL=True), 4),
+}
+
+
+def compile_sm90(fn, constants: dict, num_warps: int):
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants or name in UNIT_STRIDES:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = constants.get(name, 1)
+        elif name in ATTENTION_POINTERS:
+            sig[name] = ATTENTION_POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name == "scale" else "i32"
+            if name not in ("s_tb", "scale", "group"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 2})
+
+
+def sass_lines(kernel) -> list[tuple[int, str]]:
+    path = f"/tmp/picovllm_{os.getpid()}.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    os.remove(path)
+    out, labels = [], {}
+    for line in text.splitlines():
+        if m := re.match(r"^\.(L_x_\d+):", line):
+            labels[m.group(1)] = None  # the next instruction's address
+        elif m := re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", line):
+            address = int(m.group(1), 16)
+            for name, at in labels.items():
+                if at is None:
+                    labels[name] = address
+            out.append((address, m.group(2)))
+    return out, labels
+
+
+def main() -> None:
+    for name, (fn, constants, warps) in KERNELS.items():
+        kernel = compile_sm90(fn, constants, warps)
+        lines, labels = sass_lines(kernel)
+        loops = [(labels[m.group(1)], address) for address, text in lines
+                 if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(m.group(1), address) < address]
+        body = max((sum(start <= a <= end for a, _ in lines) for start, end in loops), default=0)
+        calls = sorted({re.sub(r".*\$__internal_\d+_\$__cuda_sm\d+_", "", t).rstrip(")` ") for _, t in lines
+                        if t.startswith("CALL")})
+        print(f"{name}: {len(lines)} SASS instructions, the longest loop {body}, shared memory "
+              f"{kernel.metadata.shared} B, calls: {', '.join(calls) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
