@@ -47,8 +47,8 @@ def _rope_store_kernel(
     q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
     s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct, s_ot, s_oh,
     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,  # cache strides (block, slot, head, dim)
-    block_size, num_heads, num_kv_heads, half,
-    BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    num_heads, num_kv_heads, half,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -64,8 +64,8 @@ def _rope_store_kernel(
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot < 0:  # padding token: nothing stored
         return
-    blk = slot // block_size
-    off = slot % block_size
+    blk = slot // BLOCK_SIZE  # (a constexpr: no 64-bit division)
+    off = slot % BLOCK_SIZE
     kh = tl.arange(0, BLOCK_KH)[:, None]
     kmask = (kh < num_kv_heads) & dmask
     k1, k2 = _rotate(k, t, kh, d, s_kt, s_kh, s_kd, c, s, kmask, half)
@@ -85,7 +85,7 @@ def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> 
     _rope_store_kernel[(num_tokens,)](
         q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
         *q.stride(), *k.stride(), *v.stride(), cos.stride(0), q_out.stride(0), q_out.stride(1),
-        *k_cache.stride(), *v_cache.stride(), k_cache.shape[1], num_heads, k.shape[1], half,
+        *k_cache.stride(), *v_cache.stride(), num_heads, k.shape[1], half, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half), **pdl(q),
     )
     return q_out
