@@ -1,5 +1,5 @@
 """The attention kernels compiled for an H100 / H200 (sm_90) on any machine, no GPU needed: the
-SASS instruction count of each kernel and of its key loop, and the calls it makes (64-bit integer
+SASS instruction count of each kernel and of its loops, and the calls it makes (64-bit integer
 division is a call). Shapes: Qwen2.5-1.5B's (12 query heads of 128 over 2 KV heads, block size 16,
 bf16); tiles as a warm prefix hit's mixed-step graph runs the prefill kernel (64 queries, 32-key
 tiles, 16 splits) and as a batch-1 decode step runs the decode kernel (32 splits of 32 keys).
@@ -12,15 +12,14 @@ import re
 import subprocess
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from picovllm.kernels import decode_attention, prefill_attention
+from picovllm.kernels.triton_utils import compile_sm90
 
 ATTENTION_POINTERS = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i64",
                       "context_lens": "*i64", "query_start_loc": "*i64", "work": "*i64", "out": "*bf16",
                       "part_acc": "*fp32", "part_ml": "*fp32", "part_m": "*fp32", "part_l": "*fp32"}
-UNIT_STRIDES = {"s_qd", "c_kd", "c_vd", "s_tw"}
+UNIT_STRIDES = dict.fromkeys(("s_qd", "c_kd", "c_vd", "s_tw"), 1)  # (constants at launch)
 KERNELS = {
     "prefill (warm hit, 64 x 32 tiles, 16 splits)": (prefill_attention._prefill_kernel, dict(
         BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, PRECISION="tf32", SPLITS=16, MIN_PART=64,
@@ -29,23 +28,6 @@ KERNELS = {
         BLOCK_SIZE=16, HEAD_DIM=128, SPLITS=32, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, MIN_PART=32, PRECISION="tf32",
         MIXED=False, USE_PDL=True), 4),
 }
-
-
-def compile_sm90(fn, constants: dict, num_warps: int):
-    sig, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constants or name in UNIT_STRIDES:
-            sig[name] = "constexpr"
-            constexprs[(i,)] = constants.get(name, 1)
-        elif name in ATTENTION_POINTERS:
-            sig[name] = ATTENTION_POINTERS[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name == "scale" else "i32"
-            if name not in ("s_tb", "scale", "group"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 2})
 
 
 def sass_lines(kernel) -> list[tuple[int, str]]:
@@ -70,14 +52,16 @@ def sass_lines(kernel) -> list[tuple[int, str]]:
 
 def main() -> None:
     for name, (fn, constants, warps) in KERNELS.items():
-        kernel = compile_sm90(fn, constants, warps)
+        divisible = [n for n in fn.arg_names if n not in ("s_tb", "scale", "group")]
+        kernel = compile_sm90(fn, ATTENTION_POINTERS, {**UNIT_STRIDES, **constants}, divisible=divisible,
+                              num_warps=warps, num_stages=2)
         lines, labels = sass_lines(kernel)
         loops = [(labels[m.group(1)], address) for address, text in lines
                  if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(m.group(1), address) < address]
-        body = max((sum(start <= a <= end for a, _ in lines) for start, end in loops), default=0)
+        bodies = sorted(sum(start <= a <= end for a, _ in lines) for start, end in loops)
         calls = sorted({re.sub(r".*\$__internal_\d+_\$__cuda_sm\d+_", "", t).rstrip(")` ") for _, t in lines
                         if t.startswith("CALL")})
-        print(f"{name}: {len(lines)} SASS instructions, the longest loop {body}, shared memory "
+        print(f"{name}: {len(lines)} SASS instructions, loops of {' / '.join(map(str, bodies))}, shared memory "
               f"{kernel.metadata.shared} B, calls: {', '.join(calls) or 'none'}")
 
 

@@ -2,17 +2,8 @@
 dependent launch on (the interpreter runs them with it off); prints 'ok' per kernel. Used by tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from picovllm.kernels import decode_attention, gemv, kv_store, prefill_attention, rms_norm, silu_mul
-
-
-def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps")):
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
-                 for name in fn.arg_names}
-    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+from picovllm.kernels.triton_utils import compile_sm90
 
 
 def main(dt: str) -> None:
@@ -23,16 +14,17 @@ def main(dt: str) -> None:
                 part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32", work="*i64")
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
-        *[(prefill_attention._prefill_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision,
+        *[(prefill_attention._prefill_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION=precision,
                                                    SPLITS=splits, MIN_PART=128)) for splits in (1, 16)],
         (prefill_attention._prefill_merge_kernel,
-         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
+         dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
         *[(decode_attention._decode_partition_kernel,
-           dict(SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision, MIXED=mixed))
+           dict(BLOCK_SIZE=16, HEAD_DIM=128, SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision,
+                MIXED=mixed))
           for splits in (1, 16) for mixed in (False, True)],
-        *[(decode_attention._decode_merge_kernel, dict(SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
+        *[(decode_attention._decode_merge_kernel, dict(HEAD_DIM=128, SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
           for mixed in (False, True)],
-        (kv_store._rope_store_kernel, dict(BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),
+        (kv_store._rope_store_kernel, dict(BLOCK_SIZE=16, BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
         *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=8,
@@ -42,8 +34,10 @@ def main(dt: str) -> None:
                                  BLOCK_N=32, BLOCK_K=128, ONE_TILE=False, DOT=True, PRECISION=precision)),
     ]
     for fn, constexprs in kernels:  # with programmatic dependent launch (the default on sm_90): its wait compiled in
-        assert "griddepcontrol.wait" in compile_sm90(fn, ptrs, {**constexprs, "USE_PDL": True}).asm["ptx"]
-        print("ok", fn.__name__, flush=True)
+        ptx = compile_sm90(fn, ptrs, {**constexprs, "USE_PDL": True}).asm["ptx"]
+        assert "griddepcontrol.wait" in ptx
+        divisions = [op for op in ("div.s64", "rem.s64", "div.u64", "rem.u64") if op in ptx]
+        print("ok", fn.__name__, " ".join(divisions), flush=True)
 
 
 if __name__ == "__main__":

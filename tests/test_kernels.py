@@ -196,7 +196,7 @@ def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_kernels_compile_for_hopper(dtype):
     """Every kernel compiles ahead of time for sm_90 (no GPU needed), which catches what the
-    interpreter does not: types, layouts, unsupported operations. Runs in a subprocess because
+    interpreter does not: types, layouts, unsupported operations, and 64-bit divisions. Runs in a subprocess because
     the interpreter, once on, replaces every @triton.jit function."""
     import subprocess
     import sys
@@ -207,8 +207,11 @@ def test_kernels_compile_for_hopper(dtype):
     script = os.path.join(os.path.dirname(__file__), "compile_kernels.py")
     done = subprocess.run([sys.executable, script, dtype], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    compiled = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")}
-    assert compiled == _all_kernels()
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert {line[1] for line in lines} == _all_kernels()
+    # no 64-bit integer division in any kernel (a call per use on the GPU: the attention kernels'
+    # key loops had eleven while the cache's block size was a runtime argument)
+    assert [line for line in lines if len(line) > 2] == []
 
 
 def _all_kernels() -> set[str]:

@@ -83,7 +83,7 @@ def _decode_partition_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i, l_i, acc = attend_paged_keys(qv, m_i, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb, s_tw, kvh,
+    m_i, l_i, acc = attend_paged_keys(qv, m_i, start, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb, s_tw, kvh,
                                       c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start, end, d,
                                       dmask, scale, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N,
                                       PRECISION=PRECISION)

@@ -55,35 +55,62 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 @triton.jit
-def attend_paged_keys(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+def _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                 c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
+                 BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One key tile [n0, n0 + BLOCK_N) of attend_paged_keys; MASKED: keys past `end` (and with
+    CAUSAL, keys after a query) are masked out; without it every key of the tile is read and seen."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < end
+    if MASKED:
+        blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw, mask=nmask, other=0).to(tl.int64)
+        kvmask = nmask[:, None] & dmask[None, :]
+    else:
+        blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw).to(tl.int64)
+        kvmask = dmask[None, :]
+    off = n % BLOCK_SIZE
+    kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
+                 mask=kvmask, other=0.0)
+    s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
+    if MASKED:
+        valid = nmask[None, :]
+        if CAUSAL:
+            valid = valid & (n[None, :] <= q_pos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
+                 mask=kvmask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attend_paged_keys(qv, q_pos, q_first, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
                       c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,
                       start, end, d, dmask, scale,
                       BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """The Triton kernels' shared inner loop: queries qv [M, D] attend to the keys at positions
     [start, end) of one sequence, read BLOCK_N at a time through its block table row, updating
     the online softmax (running max m_i, sum l_i, unnormalised acc). CAUSAL masks keys after each
-    query's position q_pos. BLOCK_SIZE (the cache's tokens per block) is a compile-time constant:
-    with a runtime one, `n // block_size` and `n % block_size` were 64-bit divisions, eleven per
-    key tile in the prefill kernel's loop."""
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw, mask=nmask, other=0).to(tl.int64)
-        off = n % BLOCK_SIZE
-        kvmask = nmask[:, None] & dmask[None, :]
-        kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
-                     mask=kvmask, other=0.0)
-        s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
-        valid = nmask[None, :]
-        if CAUSAL:
-            valid = valid & (n[None, :] <= q_pos[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
-                     mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
-        m_i = m_new
+    query's position q_pos (q_first: the smallest of them).
+
+    The tiles that lie wholly before `end` and, with CAUSAL, before every query's position go
+    first and unmasked; the rest (the context's last tile, the causal diagonal) masked. BLOCK_SIZE
+    (the cache's tokens per block) is a compile-time constant: with a runtime one, `n //
+    block_size` and `n % block_size` were 64-bit divisions, eleven per key tile in the prefill
+    kernel's loop."""
+    clear = tl.minimum(end, q_first + 1) if CAUSAL else end  # keys before it: seen by every query
+    full = start + tl.maximum(clear - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                                     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
+                                     BLOCK_SIZE, False, CAUSAL, BLOCK_N, PRECISION)
+    for n0 in range(full, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                                     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
+                                     BLOCK_SIZE, True, CAUSAL, BLOCK_N, PRECISION)
     return m_i, l_i, acc

@@ -126,7 +126,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # rows whose queries come before `start` see no key here (NaN partials): the merge skips them
-    m_i, l_i, acc = attend_paged_keys(qv, prefix + m, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb,
+    m_i, l_i, acc = attend_paged_keys(qv, prefix + m, prefix + mblk * BLOCK_M, m_i, l_i, acc, k_cache, v_cache,
+                                      block_tables + b * s_tb,
                                       s_tw, kvh, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start,
                                       tl.minimum(start + part, end), d, dmask, scale, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=True,
                                       BLOCK_N=BLOCK_N, PRECISION=PRECISION)

@@ -75,3 +75,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot rounds fp32 operands to TF32 by default on the GPU (1e-3 relative error); fp32 runs
     ask for IEEE fp32 so that they stay a tight check of the bf16 ones."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps"), divisible=(), num_warps: int = 4,
+                 num_stages: int = 3):
+    """Compile a kernel ahead of time for Hopper (sm_90), no GPU needed (tests/compile_kernels.py,
+    benchmarks/kernel_sass.py). pointers: argument name -> Triton pointer type ("*bf16"); every
+    other argument not in constexprs is an i32 (fp32 if in floats); those in divisible are
+    declared multiples of 16, as Triton specialises them at launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+                 for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if (name in divisible or name in pointers) and name not in constexprs}
+    constants = {(i,): constexprs[name] for i, name in enumerate(fn.arg_names) if name in constexprs}
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
