@@ -51,7 +51,8 @@ def test_late_tokens_are_attributed_to_their_client_process():
     # client 1: request c's late token (10.2 -> 10.21) has no event of its own process near it,
     # though client 0's request b ended at 10.108... and a's start is 10.0: neither in 4 ms
     c = {"client": 1, "start": 10.15, "ttft": 0.05, "itl": [0.01, 0.003], "e2e": 0.1}
-    assert _late_tokens([a, b, c], late_ms=5) == {"late_ms": 5, "late": 2, "late_near_client_request": 1}
+    assert _late_tokens([a, b, c], late_ms=5) == {"late_ms": 5, "late": 2, "late_near_client_request": 1,
+                                                  "late_in_one_client_only": 2}
     # c's late token arrives at 10.21: another request of its process starting 3 ms before counts;
     # one starting after it, or more than 4 ms before, does not
     near = {"client": 1, "start": 10.207, "ttft": 0.01, "itl": [], "e2e": 0.02}
@@ -60,6 +61,22 @@ def test_late_tokens_are_attributed_to_their_client_process():
     too_early = {"client": 1, "start": 10.2, "ttft": 0.001, "itl": [], "e2e": 0.003}  # ends at 10.203
     assert [_late_tokens([c, x], late_ms=5)["late_near_client_request"] for x in (near, after, early, too_early)] \
         == [1, 0, 1, 0]
+
+
+def test_late_tokens_in_one_client_only_unless_another_process_is_late_with_them():
+    """A late token is late in its client process alone when no other process has a late token
+    within 2 ms of it (a late server step reaches every process's streams together)."""
+    from picovllm.bench.serve import _late_tokens
+
+    def req(client, itl):  # one request of a client process, first token at 1.0
+        return {"client": client, "start": 0.9, "ttft": 0.1, "itl": itl, "e2e": 0.5}
+
+    # late tokens at 1.010 (client 0), 1.0115 (client 1: 1.5 ms apart, together), 1.030 and
+    # 1.0325 (client 0 and client 2: 2.5 ms apart, alone), 1.050 (two streams of client 0: alone)
+    reqs = [req(0, [0.010, 0.002, 0.018]), req(1, [0.0115]), req(2, [0.0325]), req(0, [0.05]), req(0, [0.05])]
+    late = _late_tokens(reqs, late_ms=5)
+    assert (late["late"], late["late_in_one_client_only"]) == (6, 4)
+    assert _late_tokens([req(0, [0.01])], late_ms=5)["late_in_one_client_only"] == 1
 
 
 def test_gc_pauses_counts_each_generation_while_started():

@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -77,25 +78,37 @@ async def _drive(url: str, headers: dict, prompts: list[list[int]], output_len: 
         return await asyncio.gather(*tasks)
 
 
-def _client_process(args: tuple) -> tuple[list[dict], float]:
+def _client_process(args: tuple) -> tuple[list[dict], float, list[list], int]:
     """One client process: waits for the common start instant (wall clock), drives its share of
-    the clients; returns their results and its end instant."""
+    the clients; returns their results, its end instant, its garbage collector's pauses over the
+    run (GCPauses.stats) and how often the OS took its CPU away (involuntary context switches).
+    Its start-up heap (it imports the package, torch included) is frozen first, as the server's
+    is: a collection that walked it would hold all of this process's streams at once."""
+    from picovllm.entrypoints.openai.async_engine import GCPauses, frozen_heap
+
     start_at, client, *drive_args = args
-    time.sleep(max(0.0, start_at - time.time()))
-    results = asyncio.run(_drive(*drive_args))
+    with frozen_heap():
+        time.sleep(max(0.0, start_at - time.time()))
+        switches, pauses = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, GCPauses().start()
+        results = asyncio.run(_drive(*drive_args))
+        pauses.stop()
+        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - switches
     for r in results:
         r["client"] = client
-    return results, time.time()
+    return results, time.time(), pauses.stats, switches
 
 
-def _late_tokens(ok: list[dict], late_ms: float, window_s: float = 0.004) -> dict:
-    """Inter-token intervals over late_ms, and how many of them ended within window_s after their
-    own client process started or finished another request: while a process does that, its other
-    streams' tokens wait in it, so those are the benchmark's delays more than the server's."""
+def _late_tokens(ok: list[dict], late_ms: float, window_s: float = 0.004, together_s: float = 0.002) -> dict:
+    """Inter-token intervals over late_ms; how many of them ended within window_s after their own
+    client process started or finished another request (while a process does that, its other
+    streams' tokens wait in it); and how many were late in their client process alone: no other
+    process had a late token within together_s of it. A late step of the server reaches every
+    process's streams at once; a stall of one client process only its own."""
     events: dict[int, list[float]] = {}
     for r in ok:
         events.setdefault(r["client"], []).extend((r["start"], r["start"] + r["e2e"]))
     events = {c: np.sort(e) for c, e in events.items()}
+    slow_at: dict[int, list[np.ndarray]] = {}
     late = near = 0
     for r in ok:
         arrivals = r["start"] + r["ttft"] + np.cumsum(r["itl"])
@@ -104,7 +117,18 @@ def _late_tokens(ok: list[dict], late_ms: float, window_s: float = 0.004) -> dic
         before = ev[np.maximum(np.searchsorted(ev, slow) - 1, 0)]
         late += len(slow)
         near += int(((slow - before < window_s) & (before <= slow)).sum())
-    return {"late_ms": late_ms, "late": late, "late_near_client_request": near}
+        slow_at.setdefault(r["client"], []).append(slow)
+    slow_at = {c: np.concatenate(a) for c, a in slow_at.items()}
+    alone = 0
+    for c, times in slow_at.items():
+        others = np.sort(np.concatenate([np.empty(0)] + [t for o, t in slow_at.items() if o != c]))
+        if len(others) == 0:
+            alone += len(times)
+            continue
+        i = np.searchsorted(others, times)
+        nearest = np.minimum(np.abs(times - others[np.maximum(i - 1, 0)]), np.abs(others[np.minimum(i, len(others) - 1)] - times))
+        alone += int((nearest > together_s).sum())
+    return {"late_ms": late_ms, "late": late, "late_near_client_request": near, "late_in_one_client_only": alone}
 
 
 def _thread_cpu_s(thread: threading.Thread) -> float:
@@ -202,8 +226,10 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
         done = list(pool.map(_client_process, shards))
     if probe is not None:
         probed = probe.report()
-    results = [r for shard, _ in done for r in shard]
-    elapsed = max(end for _, end in done) - start_at
+    results = [r for shard, *_ in done for r in shard]
+    elapsed = max(end for _, end, *_ in done) - start_at
+    client_gc = [[sum(d[2][g][0] for d in done), sum(d[2][g][1] for d in done), max(d[2][g][2] for d in done)]
+                 for g in range(3)]
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_len"] for r in ok)
     summary = {"requests": len(results), "failed": len(results) - len(ok), "seconds": elapsed,
@@ -212,7 +238,8 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
                "concurrency": concurrency, "request_rate": request_rate, "input_len": input_len,
                "output_len": output_len,
                "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
-               "itl_ms": _stats([x for r in ok for x in r["itl"]]), **(probed if probe is not None else {})}
+               "itl_ms": _stats([x for r in ok for x in r["itl"]]), **(probed if probe is not None else {}),
+               "client_gc_pauses": _gc_summary(client_gc), "client_involuntary_switches": sum(d[3] for d in done)}
     if summary["itl_ms"]:
         summary["late_tokens"] = _late_tokens(ok, 1.5 * summary["itl_ms"]["p50"])
     rows = [{"metric": name, **summary[key]} for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
@@ -225,7 +252,10 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
         late, intervals = summary["late_tokens"], sum(len(r["itl"]) for r in ok)
         print(f"inter-token intervals over 1.5x the median ({late['late_ms']:.2f} ms): {late['late']} of {intervals} "
               f"({late['late'] / max(intervals, 1):.2%}), {late['late_near_client_request']} of them within 4 ms after "
-              f"their client process started or finished a request")
+              f"their client process started or finished a request, {late['late_in_one_client_only']} late in one "
+              f"client process only")
+    print(f"client processes ({procs}): gc pauses {_gc_line(summary['client_gc_pauses'])}, "
+          f"{summary['client_involuntary_switches']} involuntary context switches")
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
         with open(os.path.join(save_dir, "serve_results.json"), "w") as f:
