@@ -12,6 +12,7 @@ class RequestOutputKind(enum.Enum):
     """When LLMEngine.step() reports a request (vLLM's names)."""
 
     CUMULATIVE = 0  # every step that adds a token, with everything generated so far (streaming)
+    DELTA = 1  # every step that adds a token, with what it added (text a stop string may still cut: later)
     FINAL_ONLY = 2  # once, when it finishes (LLM.generate)
 
 

@@ -190,6 +190,49 @@ def test_final_only_outputs_come_once(tiny_qwen):
         SamplingParams(output_kind="final")
 
 
+def test_delta_outputs_add_up_to_the_cumulative_ones_and_never_take_text_back(tiny_qwen):
+    """RequestOutputKind.DELTA (what the server's engine process asks for): each output carries
+    what its step added; joined, they equal the cumulative outputs (tokens, text, logprobs, n=2),
+    and text once sent is final: with a stop string that matches mid-text, the text that could
+    still be the start of a match stays back until the request finishes."""
+    engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+
+    def run(kind, stop=()):
+        params = SamplingParams(n=2, max_tokens=24, ignore_eos=True, seed=3, temperature=0.8, logprobs=2,
+                                stop=list(stop), output_kind=kind)
+        engine.add_request("r", "Hello there", params)
+        engine.add_request("g", "Hi", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=list(stop),
+                                                     logprobs=0, output_kind=kind))
+        steps = []
+        while engine.has_unfinished_requests():
+            steps.extend(engine.step())
+        return steps
+
+    def final(steps):
+        return {o.request_id: [(c.token_ids, c.text, c.logprobs, c.finish_reason) for c in o.outputs]
+                for o in steps if o.finished}
+
+    text = final(run(RequestOutputKind.CUMULATIVE))["g"][0][1]
+    assert len(text) > 6
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    for stops in ((), (stop, "zzzzzz")):
+        want, deltas = final(run(RequestOutputKind.CUMULATIVE, stops)), run(RequestOutputKind.DELTA, stops)
+        joined = {}
+        for o in deltas:
+            parts = joined.setdefault(o.request_id, [[[], "", []] for _ in o.outputs])
+            for c, part in zip(o.outputs, parts):
+                part[0] += c.token_ids
+                part[1] += c.text
+                part[2] += c.logprobs
+                # what was sent is a prefix of the final text: nothing is taken back
+                assert want[o.request_id][c.index][1].startswith(part[1])
+            if o.finished:
+                assert [(t, x, lp, c.finish_reason) for (t, x, lp), c in zip(parts, o.outputs)] == want[o.request_id]
+        assert set(joined) == {"r", "g"}
+    # (the last run's stop string cut the greedy request's text where it first matched)
+    assert want["g"][0][3] == "stop" and text.startswith(want["g"][0][1]) and len(want["g"][0][1]) <= len(text) // 2
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(model="/no/such/dir"), "not found"),
     (dict(model="no-such-builtin-model"), "not found"),

@@ -19,11 +19,11 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from picovllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer, process_prompt
 from picovllm.outputs import CompletionOutput, RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -214,19 +214,11 @@ class AsyncEngine(_Background):
 
 # ---- the engine in a process of its own -------------------------------------------------------
 
-def _delta(out: RequestOutput, sent: dict[str, list[list[int]]]) -> tuple:
-    """What a cumulative output adds to the last one sent (so that a step's message does not
-    grow with the length of the outputs): per completion, its new tokens and logprobs, and its
-    text as (kept, new): a stop string found cuts text off the end, so only a prefix is kept."""
-    marks = sent.setdefault(out.request_id, [[0, 0] for _ in out.outputs])
-    comps = []
-    for c, m in zip(out.outputs, marks):
-        kept = min(m[1], len(c.text))
-        comps.append((c.token_ids[m[0]:], (kept, c.text[kept:]), None if c.logprobs is None else c.logprobs[m[0]:],
-                      c.cumulative_logprob, c.finish_reason, c.stop_reason))
-        m[0], m[1] = len(c.token_ids), len(c.text)
-    if out.finished:
-        del sent[out.request_id]
+def _message(out: RequestOutput) -> tuple:
+    """A RequestOutputKind.DELTA output as plain tuples for the pipe (a step's message does not
+    grow with the length of the outputs; EngineProcess._rebuild makes it cumulative again)."""
+    comps = [(c.token_ids, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+             for c in out.outputs]
     return out.request_id, comps, out.finished, out.num_cached_tokens
 
 
@@ -242,7 +234,6 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
         return
     outputs.send(("ready", {"vocab_size": engine.model_config.vocab_size, "max_model_len": engine.max_model_len,
                             "tokenizer": engine.tokenizer_source}))
-    sent: dict[str, list[list[int]]] = {}
     try:
         with frozen_heap():
             pauses = GCPauses().start()
@@ -255,13 +246,13 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
                     if cmd is None:
                         return
                     if cmd[0] == "add":
-                        engine.add_validated_request(*cmd[1:])
+                        rid, text, ids, params = cmd[1:]
+                        engine.add_validated_request(rid, text, ids, replace(params, output_kind=RequestOutputKind.DELTA))
                     else:
                         engine.abort_request(cmd[1])
-                        sent.pop(cmd[1], None)
                     idle = False
                 if engine.has_unfinished_requests():
-                    outputs.send(("step", [_delta(o, sent) for o in engine.step()], engine.get_metrics(),
+                    outputs.send(("step", [_message(o) for o in engine.step()], engine.get_metrics(),
                                   pauses.stats))
     except EOFError:  # the server went away
         return
@@ -357,10 +348,10 @@ class EngineProcess(_Background):
         if req is None:  # aborted meanwhile
             return None
         outputs = []
-        for index, (tokens, (kept, text), logprobs, cumulative, reason, stop) in enumerate(comps):
+        for index, (tokens, text, logprobs, cumulative, reason, stop) in enumerate(comps):
             prev = req.outputs.get(index)
             if prev is not None:
-                tokens, text = prev.token_ids + tokens, prev.text[:kept] + text
+                tokens, text = prev.token_ids + tokens, prev.text + text
                 logprobs = None if logprobs is None else prev.logprobs + logprobs
             req.outputs[index] = CompletionOutput(index, text, tokens, cumulative, logprobs, reason, stop)
             outputs.append(req.outputs[index])
