@@ -218,6 +218,9 @@ def test_serving_benchmark(server, tmp_path):
     if server[1] is None:  # the engine in its own process: its collector's pauses too, counted over the run
         assert set(summary["engine_gc_pauses"]) == {"gen0", "gen1", "gen2"}
         assert all(p["max_ms"] <= p["total_ms"] or p["count"] == 0 for p in summary["engine_gc_pauses"].values())
+        # its own step intervals, and each step's way to the server: after it was sent, never before
+        assert summary["engine_process_step_ms"]["p50"] > 0 and len(probe.sent) == len(probe.starts)
+        assert all(sent < got for sent, got in zip(probe.sent, probe.starts))
     assert set(summary["client_gc_pauses"]) == {"gen0", "gen1", "gen2"} and summary["client_involuntary_switches"] >= 0
     cpu = summary["cpu_ms_per_step"]
     assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0

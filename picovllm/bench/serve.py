@@ -151,12 +151,15 @@ class EngineProbe:
         from picovllm.entrypoints.openai.async_engine import GCPauses
 
         self.starts: list[float] = []
+        self.sent: list[float] = []  # (an EngineProcess's) when its process sent each step
         self._gc = GCPauses().start()
         self._engine_gc = copy.deepcopy(getattr(engine, "gc_pauses", None))  # (an EngineProcess's, so far)
         self._engine, self._inner = engine, engine.on_step
 
         def on_step(e, outputs):
             self.starts.append(time.perf_counter())
+            if hasattr(e, "step_sent_at"):
+                self.sent.append(e.step_sent_at)
             if self._inner is not None:
                 self._inner(e, outputs)
 
@@ -176,8 +179,8 @@ class EngineProbe:
         steps = _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
         pauses = _gc_summary(self._gc.stats)
         cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
-        line = (f"engine step interval (ms): mean {steps['mean']:.2f} p50 {steps['p50']:.2f} p90 {steps['p90']:.2f} "
-                f"p99 {steps['p99']:.2f}; CPU per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+        line = (f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
                 + "; gc pauses: " + _gc_line(pauses))
         out = {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "gc_pauses": pauses}
         engine_gc = getattr(self._engine, "gc_pauses", None)
@@ -185,6 +188,13 @@ class EngineProbe:
             before = self._engine_gc or [[0, 0.0, 0.0]] * 3
             out["engine_gc_pauses"] = _gc_summary([[n - b[0], t - b[1], m] for (n, t, m), b in zip(engine_gc, before)])
             line += "; in the engine process: " + _gc_line(out["engine_gc_pauses"]) + " (max: since its start)"
+        if self.sent:  # late in the engine process, or on the way (pipe, the reader thread here, the GIL)?
+            sent = np.asarray(self.sent)
+            gaps = np.diff(sent)
+            out["engine_process_step_ms"] = _stats(gaps[gaps < 0.25].tolist())
+            out["engine_to_server_ms"] = _stats((np.asarray(self.starts) - sent).tolist())
+            line += ("\nthe engine process's step interval (ms, as it sends): " + _stats_line(out["engine_process_step_ms"])
+                     + "; from its send to the steps' delivery here: " + _stats_line(out["engine_to_server_ms"]))
         print(line)
         return out
 
@@ -196,6 +206,10 @@ def _gc_summary(stats: list[list]) -> dict:
 
 def _gc_line(pauses: dict) -> str:
     return ", ".join(f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items())
+
+
+def _stats_line(stats: dict) -> str:
+    return " ".join(f"{k} {stats[k]:.2f}" for k in ("mean", "p50", "p90", "p99"))
 
 
 def _stats(values: list[float]) -> dict:

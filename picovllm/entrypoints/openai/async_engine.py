@@ -240,7 +240,7 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
             while True:
                 idle = not engine.has_unfinished_requests()
                 if idle:  # the metrics after aborts that left nothing to step
-                    outputs.send(("step", [], engine.get_metrics(), pauses.stats))
+                    outputs.send(("step", [], engine.get_metrics(), pauses.stats, time.perf_counter()))
                 while commands.poll(None if idle else 0):
                     cmd = commands.recv()
                     if cmd is None:
@@ -253,7 +253,7 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
                     idle = False
                 if engine.has_unfinished_requests():
                     outputs.send(("step", [_message(o) for o in engine.step()], engine.get_metrics(),
-                                  pauses.stats))
+                                  pauses.stats, time.perf_counter()))
     except EOFError:  # the server went away
         return
     except BaseException as e:
@@ -296,6 +296,7 @@ class EngineProcess(_Background):
         self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
         self._metrics: dict[str, int] = {}
         self.gc_pauses: list[list] | None = None  # the engine process's GCPauses.stats, as of its last step
+        self.step_sent_at = 0.0  # when the engine process sent its last step (perf_counter: one clock for both)
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
         self._closing = False
@@ -335,7 +336,7 @@ class EngineProcess(_Background):
                 msg = self._outputs.recv()
                 if msg[0] == "error":
                     raise msg[1]
-                _, deltas, self._metrics, self.gc_pauses = msg
+                _, deltas, self._metrics, self.gc_pauses, self.step_sent_at = msg
                 self._deliver_step([out for d in deltas if (out := self._rebuild(*d)) is not None])
         except EOFError:
             if not self._closing:
