@@ -1,7 +1,9 @@
-# Usage: PYTHONPATH=. python benchmarks/host_step.py [step|ttft|detok|sse]  (CPU; needs the test dependencies)
+# Usage: PYTHONPATH=. python benchmarks/host_step.py [step|stream|ttft|detok|sse]  (CPU; needs the test dependencies)
 """Host time with the forward stubbed out (tiny vocab logits), on the CPU:
 step: a step at batch 256: scheduler, input building, sampling tensors, sampler on 307-wide
       logits, output processing;
+stream: a step at batch 64 as the server's engine process runs it: DELTA outputs, packed for the
+      pipe (async_engine._message);
 ttft: a prefix-cache hit as `picovllm bench prefix` scenario b times it: LLM.generate of a
       2,083 + 40-token prompt whose 2,083 are cached, max_tokens=1 (validation, scheduling with
       the prefix match, inputs, sampling, outputs);
@@ -55,6 +57,25 @@ def step() -> None:
             e.step()
         return (time.perf_counter() - t) / 20
     print(f"host step at batch 256: {best_of(timed) * 1e3:.2f} ms")
+
+
+def stream() -> None:
+    from picovllm.entrypoints.openai.async_engine import _message
+
+    llm = stubbed_llm(max_num_seqs=64)
+    e = llm.llm_engine
+    for i in range(64):
+        e.add_request(str(i), [3 + (j * 7 + i) % 300 for j in range(512)],
+                      SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+    for _ in range(40):
+        [_message(o) for o in e.step()]
+
+    def timed():
+        t = time.perf_counter()
+        for _ in range(50):
+            [_message(o) for o in e.step()]
+        return (time.perf_counter() - t) / 50
+    print(f"host step + messages at batch 64 (DELTA outputs): {best_of(timed, 8) * 1e3:.2f} ms")
 
 
 def ttft() -> None:
@@ -156,4 +177,4 @@ def sse() -> None:
 
 
 if __name__ == "__main__":
-    {"step": step, "ttft": ttft, "detok": detok, "sse": sse}[sys.argv[1] if len(sys.argv) > 1 else "step"]()
+    {"step": step, "stream": stream, "ttft": ttft, "detok": detok, "sse": sse}[sys.argv[1] if len(sys.argv) > 1 else "step"]()
