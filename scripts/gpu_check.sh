@@ -13,7 +13,8 @@
 #   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
 #   warm: a warm prefix hit's time line (host phases, GPU time) with PDL on, then its kernels with PDL off,
-#   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's target),
+#   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's target;
+#   with TREES="DIR ...", each run once per source tree, taking turns: an A/B of branches checked out under .diag),
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
@@ -98,9 +99,13 @@ for stage in $STAGES; do
       echo "== the serving issue's target: p99 ITL within 1.5x of the offline decode step at batch 64 (three serving runs) =="
       offline64 | grep -E "^picovllm"
       for run in 1 2 3; do
-        bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 --input-len 512 --output-len 128 \
-            --max-num-batched-tokens 128 --max-num-seqs 64 --save-dir "$OUT/serve_b128_run$run" 2>&1 | grep -v "it/s\]" \
-            | tee "$OUT/serve_b128_run$run.log" | grep -E "ITL|TTFT|engine step|rror"
+        for tree in ${TREES:-.}; do  # source trees taking turns (A/B of branches: TREES=". .diag/branch")
+          tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
+          PYTHONPATH=$(cd "$tree" && pwd):$PYTHONPATH bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 \
+              --input-len 512 --output-len 128 --max-num-batched-tokens 128 --max-num-seqs 64 \
+              --save-dir "$OUT/serve_b128_run$run$tag" 2>&1 | grep -v "it/s\]" \
+              | tee "$OUT/serve_b128_run$run$tag.log" | grep -E "ITL|TTFT|engine step|rror"
+        done
       done ;;
     pdl)
       echo "== programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0) =="
@@ -184,5 +189,7 @@ for name in names:
                 print(f"{name:20s} p99 ITL / offline batch-64 step: {r['itl_ms']['p99'] / offline64:.3f} (target at most 1.5)")
             print(f"{name:20s} serve: {r['output_tok_s']:.0f} output tok/s, ITL p50 {r['itl_ms']['p50']:.2f} "
                   f"p99 {r['itl_ms']['p99']:.2f} ms, TTFT p99 {r['ttft_ms']['p99']:.1f} ms"
-                  + (f", engine step p99 {r['engine_step_ms']['p99']:.2f} ms" if "engine_step_ms" in r else ""))
+                  + (f", engine step p99 {r['engine_step_ms']['p99']:.2f} ms" if "engine_step_ms" in r else "")
+                  + (f" (in its process {r['engine_process_step_ms']['p99']:.2f}, send to delivery "
+                     f"{r['engine_to_server_ms']['p99']:.2f})" if "engine_process_step_ms" in r else ""))
 PY
