@@ -175,8 +175,7 @@ class EngineProbe:
         """Stops probing (the engine's own on_step again) and returns the figures."""
         self._gc.stop()
         self._engine.on_step = self._inner
-        gaps = np.diff(self.starts)
-        steps = _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
+        steps = _step_intervals(self.starts)
         pauses = _gc_summary(self._gc.stats)
         cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
         line = (f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
@@ -189,14 +188,17 @@ class EngineProbe:
             out["engine_gc_pauses"] = _gc_summary([[n - b[0], t - b[1], m] for (n, t, m), b in zip(engine_gc, before)])
             line += "; in the engine process: " + _gc_line(out["engine_gc_pauses"]) + " (max: since its start)"
         if self.sent:  # late in the engine process, or on the way (pipe, the reader thread here, the GIL)?
-            sent = np.asarray(self.sent)
-            gaps = np.diff(sent)
-            out["engine_process_step_ms"] = _stats(gaps[gaps < 0.25].tolist())
-            out["engine_to_server_ms"] = _stats((np.asarray(self.starts) - sent).tolist())
+            out["engine_process_step_ms"] = _step_intervals(self.sent)
+            out["engine_to_server_ms"] = _stats((np.asarray(self.starts) - np.asarray(self.sent)).tolist())
             line += ("\nthe engine process's step interval (ms, as it sends): " + _stats_line(out["engine_process_step_ms"])
                      + "; from its send to the steps' delivery here: " + _stats_line(out["engine_to_server_ms"]))
         print(line)
         return out
+
+
+def _step_intervals(times: list[float]) -> dict:
+    gaps = np.diff(times)
+    return _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
 
 
 def _gc_summary(stats: list[list]) -> dict:

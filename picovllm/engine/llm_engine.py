@@ -391,35 +391,33 @@ class LLMEngine:
     def _output(self, request_id: str) -> RequestOutput:
         group = self.groups[request_id]
         finished = all(r.is_finished for r in group.children)
-        if group.children[0].params.output_kind is RequestOutputKind.DELTA:
-            outputs = [self._delta_output(r) for r in group.children]
-        else:
-            outputs = [CompletionOutput(
-                index=r.index, text=r.output_text, token_ids=r.output_token_ids,
+        delta = group.children[0].params.output_kind is RequestOutputKind.DELTA
+        outputs = []
+        for r in group.children:
+            tokens, text, logprobs = self._take_delta(r) if delta else (r.output_token_ids, r.output_text, r.logprobs)
+            outputs.append(CompletionOutput(
+                index=r.index, text=text, token_ids=tokens,
                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
-                for r in group.children]
+                logprobs=logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason))
         if finished:
             del self.groups[request_id]
         num_cached = group.children[0].num_prompt_cached_tokens or 0
         return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs, finished, num_cached)
 
     @staticmethod
-    def _delta_output(r: Request) -> CompletionOutput:
-        """What r generated since its last output. Text that a stop string found later could still
-        cut off (the last len(longest stop) - 1 characters: a match starts at most that far back
-        in the text before the step) stays back until r finishes, so that text sent is final."""
-        start = r.num_prompt_tokens + r.num_output_sent
-        tokens = r.token_ids[start:]
+    def _take_delta(r: Request) -> tuple[list[int], str, list | None]:
+        """The tokens, text and logprobs r generated since its last output (RequestOutputKind.DELTA),
+        marked as sent. Text that a stop string found later could still cut off (the last
+        len(longest stop) - 1 characters: a match starts at most that far back in the text before
+        the step) stays back until r finishes, so that text sent is final."""
+        tokens = r.token_ids[r.num_prompt_tokens + r.num_output_sent:]
         logprobs = None if r.logprobs is None else r.logprobs[r.num_output_sent:]
         r.num_output_sent += len(tokens)
         end = len(r.output_text)
         if r.params.stop and not r.is_finished:
             end = max(r.text_sent, end - max(map(len, r.params.stop)) + 1)
         text, r.text_sent = r.output_text[r.text_sent:end], end
-        return CompletionOutput(index=r.index, text=text, token_ids=tokens,
-                                cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                                logprobs=logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+        return tokens, text, logprobs
 
     # ---- introspection ----------------------------------------------------------------------
 

@@ -93,4 +93,3 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps"), 
     constants = {(i,): constexprs[name] for i, name in enumerate(fn.arg_names) if name in constexprs}
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
-
