@@ -143,7 +143,7 @@ def _process_cpu_s(pid: int) -> float:
 class EngineProbe:
     """With the server in this process: the intervals between the engine's steps as the server
     sees them (on_step of an AsyncEngine or EngineProcess), the CPU time per step of the engine
-    (its thread, or its process and the thread here reading it) and of the HTTP thread, and the
+    (its thread, or its process) and of the HTTP thread, and the
     garbage collector's pauses here (and in the engine's process, when it has one): to tell
     engine-side stalls from HTTP-side ones in the ITL."""
 
@@ -164,7 +164,7 @@ class EngineProbe:
                 self._inner(e, outputs)
 
         engine.on_step = on_step
-        names = ("picovllm-engine", "picovllm-engine-reader", "picovllm-http")
+        names = ("picovllm-engine", "picovllm-http")
         self._clocks = {t.name.removeprefix("picovllm-"): functools.partial(_thread_cpu_s, t)
                         for t in threading.enumerate() if t.name in names}
         if getattr(engine, "pid", None) is not None:
@@ -187,7 +187,7 @@ class EngineProbe:
             before = self._engine_gc or [[0, 0.0, 0.0]] * 3
             out["engine_gc_pauses"] = _gc_summary([[n - b[0], t - b[1], m] for (n, t, m), b in zip(engine_gc, before)])
             line += "; in the engine process: " + _gc_line(out["engine_gc_pauses"]) + " (max: since its start)"
-        if self.sent:  # late in the engine process, or on the way (pipe, the reader thread here, the GIL)?
+        if self.sent:  # late in the engine process, or on the way (pipe, the HTTP thread's loop)?
             out["engine_process_step_ms"] = _step_intervals(self.sent)
             out["engine_to_server_ms"] = _stats((np.asarray(self.starts) - np.asarray(self.sent)).tolist())
             line += ("\nthe engine process's step interval (ms, as it sends): " + _stats_line(out["engine_process_step_ms"])

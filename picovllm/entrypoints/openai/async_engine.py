@@ -270,9 +270,9 @@ class _Request:
 
 class EngineProcess(_Background):
     """The engine in a process of its own (spawned: CUDA does not survive a fork). Commands go
-    down one pipe; each step's output deltas and metrics come up another, read by a thread here
-    that rebuilds the cumulative RequestOutputs and delivers them. Start-up errors (bad engine
-    options) are raised here."""
+    down one pipe; each step's output deltas and metrics come up another, read on the server's
+    event loop (attach), which rebuilds the cumulative RequestOutputs and delivers them. Start-up
+    errors (bad engine options) are raised here."""
 
     def __init__(self, engine_args: dict, on_step=None):
         super().__init__(on_step)
@@ -300,17 +300,36 @@ class EngineProcess(_Background):
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
         self._closing = False
-        self._reader = threading.Thread(target=self._read, name="picovllm-engine-reader", daemon=True)
-        self._reader.start()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop that reads the steps
 
     @property
     def pid(self) -> int:
         return self._process.pid
 
     def get_metrics(self) -> dict[str, int]:
+        self.attach()
         return self._metrics  # as of the engine's last step
 
+    def attach(self) -> None:
+        """The steps are read on the event loop that first uses this engine (the server's start, a
+        request, an abort, the metrics), when its pipe is readable: no reader thread that would
+        have to take the GIL from the loop's thread while that streams the last step's tokens."""
+        if self._loop is None and not self._closing:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on a loop (yet)
+                return
+            self._loop.add_reader(self._outputs.fileno(), self._read)
+
+    def _detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._outputs.fileno())
+
     def _send(self, cmd: tuple | None) -> None:
+        if cmd is not None:
+            self.attach()
         if cmd is not None and cmd[0] == "add":
             self._requests[cmd[1]] = _Request(cmd[2], cmd[3])
         elif cmd is not None:
@@ -328,20 +347,23 @@ class EngineProcess(_Background):
         self._process.join(timeout=10)
         if self._process.is_alive():
             self._process.kill()
-        self._reader.join(timeout=10)
+        self._detach()
 
     def _read(self) -> None:
+        """Every step message waiting in the pipe (on the loop, when it is readable)."""
         try:
-            while True:
+            while self._outputs.poll():
                 msg = self._outputs.recv()
                 if msg[0] == "error":
                     raise msg[1]
                 _, deltas, self._metrics, self.gc_pauses, self.step_sent_at = msg
                 self._deliver_step([out for d in deltas if (out := self._rebuild(*d)) is not None])
         except EOFError:
+            self._detach()
             if not self._closing:
                 self._fail(EngineDeadError(f"the engine process exited (code {self._process.exitcode})"))
         except BaseException as e:
+            self._detach()
             self._fail(e)
 
     def _rebuild(self, request_id: str, comps: list[tuple], finished: bool, num_cached: int) -> RequestOutput | None:

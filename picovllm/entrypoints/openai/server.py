@@ -6,6 +6,7 @@ unknown model. A streaming client that disconnects aborts its request, which fre
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -61,7 +62,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def build_app(engine: AsyncEngine | EngineProcess, served_model_name: str, api_key: str | None = None,
               sampling_defaults: dict | None = None) -> FastAPI:
-    app = FastAPI(title="Pico-vLLM OpenAI-compatible server")
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if isinstance(engine, EngineProcess):  # its steps are read on this loop from the start
+            engine.attach()
+        yield
+
+    app = FastAPI(title="Pico-vLLM OpenAI-compatible server", lifespan=lifespan)
     defaults = sampling_defaults or {}
     metrics = ServerMetrics()
     engine.on_step = metrics.on_step
