@@ -14,7 +14,8 @@
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
 #   warm: a warm prefix hit's time line (host phases, GPU time) with PDL on, then its kernels with PDL off,
 #   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's target;
-#   with TREES="DIR ...", each run once per source tree, taking turns: an A/B of branches checked out under .diag),
+#   RUNS=N for another number of runs; with TREES="DIR ...", each run once per source tree, taking turns: an A/B of
+#   branches checked out under .diag),
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
@@ -98,7 +99,7 @@ for stage in $STAGES; do
     serve_target)
       echo "== the serving issue's target: p99 ITL within 1.5x of the offline decode step at batch 64 (three serving runs) =="
       offline64 | grep -E "^picovllm"
-      for run in 1 2 3; do
+      for run in $(seq "${RUNS:-3}"); do
         for tree in ${TREES:-.}; do  # source trees taking turns (A/B of branches: TREES=". .diag/branch")
           tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
           PYTHONPATH=$(cd "$tree" && pwd):$PYTHONPATH bench serve --model "$MODEL" --concurrency 64 --num-prompts 256 \
