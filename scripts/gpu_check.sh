@@ -193,4 +193,8 @@ for name in names:
                   + (f", engine step p99 {r['engine_step_ms']['p99']:.2f} ms" if "engine_step_ms" in r else "")
                   + (f" (in its process {r['engine_process_step_ms']['p99']:.2f}, send to delivery "
                      f"{r['engine_to_server_ms']['p99']:.2f})" if "engine_process_step_ms" in r else ""))
+            if "engine_process_slow_steps" in r:
+                s = r["engine_process_slow_steps"]
+                print(f"{name:20s} engine process: {s['slow']} of {s['steps']} steps slow (at most {s['longest_run']} in a row); "
+                      f"OS preemptions: " + ", ".join(f"{k} {n}" for k, n in r["preemptions"].items()))
 PY

@@ -1,6 +1,8 @@
 """The benchmark harness runs end to end on a tiny model and reports consistent figures."""
 import json
 
+import numpy as np
+
 from picovllm.bench.latency import run_latency
 from picovllm.bench.prefix import run_prefix
 from picovllm.bench.throughput import run_throughput
@@ -61,6 +63,18 @@ def test_late_tokens_are_attributed_to_their_client_process():
     too_early = {"client": 1, "start": 10.2, "ttft": 0.001, "itl": [], "e2e": 0.003}  # ends at 10.203
     assert [_late_tokens([c, x], late_ms=5)["late_near_client_request"] for x in (near, after, early, too_early)] \
         == [1, 0, 1, 0]
+
+
+def test_slow_engine_steps_and_their_longest_run():
+    """Step intervals over 1.5x the median are slow; runs of them in a row tell a slowed machine
+    from single stalls; gaps of 0.25 s or more (the engine idle) are not steps."""
+    from picovllm.bench.serve import _slow_steps
+
+    gaps = [0.002, 0.002, 0.004, 0.002, 0.0031, 0.0035, 0.0032, 0.002, 0.3, 0.002, 0.0029, 0.002, 0.002, 0.002]
+    times = [0.0, *np.cumsum(gaps)]
+    # median of the 13 steps: 0.002 (0.3 s left out); over 0.003: 0.004, then 0.0031, 0.0035, 0.0032 in a row
+    assert _slow_steps(times) == {"slow": 4, "steps": 13, "longest_run": 3}
+    assert _slow_steps([1.0]) == {"slow": 0, "steps": 0, "longest_run": 0}
 
 
 def test_late_tokens_in_one_client_only_unless_another_process_is_late_with_them():

@@ -221,6 +221,13 @@ def test_serving_benchmark(server, tmp_path):
         # its own step intervals, and each step's way to the server: after it was sent, never before
         assert summary["engine_process_step_ms"]["p50"] > 0 and len(probe.sent) == len(probe.starts)
         assert all(sent < got for sent, got in zip(probe.sent, probe.starts))
+        slow = summary["engine_process_slow_steps"]
+        assert slow["steps"] == len(probe.sent) - 1 - sum(b - a >= 0.25 for a, b in zip(probe.sent, probe.sent[1:]))
+        assert 0 <= slow["longest_run"] <= slow["slow"] <= slow["steps"]
+        assert set(summary["preemptions"]) == {"server", "engine"}
+    else:
+        assert set(summary["preemptions"]) == {"server"}
+    assert all(n >= 0 for n in summary["preemptions"].values())
     assert set(summary["client_gc_pauses"]) == {"gen0", "gen1", "gen2"} and summary["client_involuntary_switches"] >= 0
     cpu = summary["cpu_ms_per_step"]
     assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0

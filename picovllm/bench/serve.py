@@ -9,6 +9,7 @@ per-request timings and a plot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import json
@@ -140,6 +141,31 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def _process_preemptions(pid: int) -> int:
+    """How often the OS has taken the CPU away from the process's threads (involuntary context
+    switches, summed over its threads: /proc's process line counts only the first)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            for line in open(f"/proc/{pid}/task/{tid}/status"):
+                if line.startswith("nonvoluntary_ctxt_switches"):
+                    total += int(line.split()[1])
+    return total
+
+
+def _slow_steps(times: list[float]) -> dict:
+    """Step intervals over 1.5x the median, and the longest run of them in a row: one stall (a
+    collection, a page fault) makes one slow step, a busy or slowed machine a run of them."""
+    gaps = np.diff(times)
+    gaps = gaps[gaps < 0.25]  # (as _step_intervals)
+    slow = gaps > 1.5 * np.median(gaps) if len(gaps) else np.zeros(0, dtype=bool)
+    longest = run = 0
+    for s in slow:
+        run = run + 1 if s else 0
+        longest = max(longest, run)
+    return {"slow": int(slow.sum()), "steps": len(gaps), "longest_run": longest}
+
+
 class EngineProbe:
     """With the server in this process: the intervals between the engine's steps as the server
     sees them (on_step of an AsyncEngine or EngineProcess), the CPU time per step of the engine
@@ -169,6 +195,8 @@ class EngineProbe:
                         for t in threading.enumerate() if t.name in names}
         if getattr(engine, "pid", None) is not None:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
+        self._pids = {"server": os.getpid(), **({"engine": engine.pid} if "engine-process" in self._clocks else {})}
+        self._preempted = {k: _process_preemptions(pid) for k, pid in self._pids.items()}
         self._cpu = {k: clock() for k, clock in self._clocks.items()}
 
     def report(self) -> dict:
@@ -181,7 +209,9 @@ class EngineProbe:
         line = (f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
                 + "; gc pauses: " + _gc_line(pauses))
-        out = {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "gc_pauses": pauses}
+        out = {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "gc_pauses": pauses,
+               "preemptions": {k: _process_preemptions(pid) - self._preempted[k] for k, pid in self._pids.items()}}
+        line += "; the OS preempted: " + ", ".join(f"{k} process {n}x" for k, n in out["preemptions"].items())
         engine_gc = getattr(self._engine, "gc_pauses", None)
         if engine_gc is not None:  # counts and totals over the run; the longest since the engine started
             before = self._engine_gc or [[0, 0.0, 0.0]] * 3
@@ -190,7 +220,9 @@ class EngineProbe:
         if self.sent:  # late in the engine process, or on the way (pipe, the HTTP thread's loop)?
             out["engine_process_step_ms"] = _step_intervals(self.sent)
             out["engine_to_server_ms"] = _stats((np.asarray(self.starts) - np.asarray(self.sent)).tolist())
+            out["engine_process_slow_steps"] = slow = _slow_steps(self.sent)
             line += ("\nthe engine process's step interval (ms, as it sends): " + _stats_line(out["engine_process_step_ms"])
+                     + f" ({slow['slow']} of {slow['steps']} over 1.5x its median, at most {slow['longest_run']} in a row)"
                      + "; from its send to the steps' delivery here: " + _stats_line(out["engine_to_server_ms"]))
         print(line)
         return out
