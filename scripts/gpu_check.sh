@@ -197,4 +197,7 @@ for name in names:
                 s = r["engine_process_slow_steps"]
                 print(f"{name:20s} engine process: {s['slow']} of {s['steps']} steps slow (at most {s['longest_run']} in a row); "
                       f"OS preemptions: " + ", ".join(f"{k} {n}" for k, n in r["preemptions"].items()))
+                late = r["late_outputs"]
+                print(f"{name:20s} outputs in late steps: {late['late']} of {late['outputs']} "
+                      f"({late['late'] / max(late['outputs'], 1):.2%}; p99 needs < 1%), late in the engine process: {late['engine_late']}")
 PY

@@ -77,6 +77,21 @@ def test_slow_engine_steps_and_their_longest_run():
     assert _slow_steps([1.0]) == {"slow": 0, "steps": 0, "longest_run": 0}
 
 
+def test_late_outputs_split_into_engine_late_and_late_on_the_way():
+    """A step delivered over 1.5x the median interval after the one before is late; it is the
+    engine process's when that process also sent it late; idle gaps are no steps."""
+    from picovllm.bench.serve import _late_outputs
+
+    sent = [0.0, 0.002, 0.004, 0.009, 0.011, 0.013, 0.015, 0.5, 0.502]
+    delivered = [0.0003, 0.0023, 0.0043, 0.0093, 0.0113, 0.0163, 0.0173, 0.5003, 0.5023]
+    outputs = [64, 64, 64, 60, 64, 62, 64, 8, 8]
+    # delivery gaps 2, 2, 5 (late: the engine sent it 5 ms after the last), 2, 5 (late on the way),
+    # 1, (idle), 2 ms: median 2
+    assert _late_outputs(sent, delivered, outputs) == {"outputs": 64 + 64 + 60 + 64 + 62 + 64 + 8, "late": 60 + 62,
+                                                       "engine_late": 60}
+    assert _late_outputs([0.0], [0.001], [3]) == {"outputs": 0, "late": 0, "engine_late": 0}
+
+
 def test_late_tokens_in_one_client_only_unless_another_process_is_late_with_them():
     """A late token is late in its client process alone when no other process has a late token
     within 2 ms of it (a late server step reaches every process's streams together)."""

@@ -225,6 +225,9 @@ def test_serving_benchmark(server, tmp_path):
         assert slow["steps"] == len(probe.sent) - 1 - sum(b - a >= 0.25 for a, b in zip(probe.sent, probe.sent[1:]))
         assert 0 <= slow["longest_run"] <= slow["slow"] <= slow["steps"]
         assert set(summary["preemptions"]) == {"server", "engine"}
+        late = summary["late_outputs"]  # of 12 requests x 6 tokens
+        assert 0 <= late["engine_late"] <= late["late"] <= late["outputs"] <= sum(probe.streams[1:]) <= 72
+        assert late["outputs"] > 0 and len(probe.streams) == len(probe.starts)
     else:
         assert set(summary["preemptions"]) == {"server"}
     assert all(n >= 0 for n in summary["preemptions"].values())

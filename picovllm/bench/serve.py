@@ -153,6 +153,21 @@ def _process_preemptions(pid: int) -> int:
     return total
 
 
+def _late_outputs(sent: list[float], delivered: list[float], outputs: list[int]) -> dict:
+    """Request outputs (about one token each) whose step was delivered over 1.5x the median
+    interval after the step before, and how many of those steps the engine process had already
+    sent late (over 1.5x the median of its own intervals); the rest were held up on the way (the
+    pipe, the HTTP process's event loop). Gaps of 0.25 s or more (the engine idle) are left out."""
+    sent, delivered, n = np.asarray(sent), np.asarray(delivered), np.asarray(outputs[1:])
+    gaps, sent_gaps = np.diff(delivered), np.diff(sent)
+    busy = gaps < 0.25
+    if not busy.any():
+        return {"outputs": 0, "late": 0, "engine_late": 0}
+    late = busy & (gaps > 1.5 * np.median(gaps[busy]))
+    engine_late = late & (sent_gaps > 1.5 * np.median(sent_gaps[busy]))
+    return {"outputs": int(n[busy].sum()), "late": int(n[late].sum()), "engine_late": int(n[engine_late].sum())}
+
+
 def _slow_steps(times: list[float]) -> dict:
     """Step intervals over 1.5x the median, and the longest run of them in a row: one stall (a
     collection, a page fault) makes one slow step, a busy or slowed machine a run of them."""
@@ -178,12 +193,14 @@ class EngineProbe:
 
         self.starts: list[float] = []
         self.sent: list[float] = []  # (an EngineProcess's) when its process sent each step
+        self.streams: list[int] = []  # the requests each step had output for
         self._gc = GCPauses().start()
         self._engine_gc = copy.deepcopy(getattr(engine, "gc_pauses", None))  # (an EngineProcess's, so far)
         self._engine, self._inner = engine, engine.on_step
 
         def on_step(e, outputs):
             self.starts.append(time.perf_counter())
+            self.streams.append(len(outputs))
             if hasattr(e, "step_sent_at"):
                 self.sent.append(e.step_sent_at)
             if self._inner is not None:
@@ -221,9 +238,12 @@ class EngineProbe:
             out["engine_process_step_ms"] = _step_intervals(self.sent)
             out["engine_to_server_ms"] = _stats((np.asarray(self.starts) - np.asarray(self.sent)).tolist())
             out["engine_process_slow_steps"] = slow = _slow_steps(self.sent)
+            out["late_outputs"] = late = _late_outputs(self.sent, self.starts, self.streams)
             line += ("\nthe engine process's step interval (ms, as it sends): " + _stats_line(out["engine_process_step_ms"])
                      + f" ({slow['slow']} of {slow['steps']} over 1.5x its median, at most {slow['longest_run']} in a row)"
-                     + "; from its send to the steps' delivery here: " + _stats_line(out["engine_to_server_ms"]))
+                     + "; from its send to the steps' delivery here: " + _stats_line(out["engine_to_server_ms"])
+                     + f"\nrequest outputs delivered over 1.5x the median step after the last: {late['late']} of "
+                     f"{late['outputs']}, {late['engine_late']} of them from steps late in the engine process")
         print(line)
         return out
 
