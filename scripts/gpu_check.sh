@@ -13,9 +13,9 @@
 #   gemv_chain: the one-row GEMV's tiles as a batch-1 step runs them (gemv_sweep.py chain, about 3 minutes),
 #   serve_budgets: the serving benchmark at step budgets 512 (also with the engine on a thread), 256, 192, 128
 #   warm: a warm prefix hit's time line (host phases, GPU time) with PDL on, then its kernels with PDL off,
-#   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's target;
-#   RUNS=N for another number of runs, PROMPTS=N requests a run (default 256; vLLM's bench serve: 1000); with TREES="DIR ...", each run once per source tree, taking turns: an A/B of
-#   branches checked out under .diag),
+#   serve_target: the offline decode step at batch 64 and three serving runs at budget 128 (the serving issue's
+#   target). RUNS=N runs; PROMPTS=N requests a run (default 1000, as vLLM's bench serve); TREES="DIR ...": each run
+#   once per source tree, taking turns (an A/B of branches checked out under .diag),
 #   pdl: latency with programmatic dependent launch (the default) against without it (PICOVLLM_PDL=0)
 #   and ab: the defaults against async scheduling and mixed-step graphs off (latency at batch 1
 #   and 128, throughput, serving), one 10-minute call
@@ -102,7 +102,7 @@ for stage in $STAGES; do
       for run in $(seq "${RUNS:-3}"); do
         for tree in ${TREES:-.}; do  # source trees taking turns (A/B of branches: TREES=". .diag/branch")
           tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
-          PYTHONPATH=$(cd "$tree" && pwd):$PYTHONPATH bench serve --model "$MODEL" --concurrency 64 --num-prompts "${PROMPTS:-256}" \
+          PYTHONPATH=$(cd "$tree" && pwd):$PYTHONPATH bench serve --model "$MODEL" --concurrency 64 --num-prompts "${PROMPTS:-1000}" \
               --input-len 512 --output-len 128 --max-num-batched-tokens 128 --max-num-seqs 64 \
               --save-dir "$OUT/serve_b128_run$run$tag" 2>&1 | grep -v "it/s\]" \
               | tee "$OUT/serve_b128_run$run$tag.log" | grep -E "ITL|TTFT|engine step|rror"
