@@ -1,7 +1,7 @@
 """A plain Triton GEMM for 64 rows (a batch-64 decode step, a warm prefix hit padded to 64 tokens)
 on tensor cores, with split-K, against cuBLAS on Qwen2.5-1.5B's projections: is there room under
-cuBLAS at these shapes? Each timing is 56 calls replayed from a CUDA graph, the weights rotating
-over 8 copies so that none is read from L2 (gemv_sweep.py reuses one weight). Split-K timings
+cuBLAS at these shapes? Each timing is 56 calls replayed from a CUDA graph (timed_us), the weights
+rotating over 8 copies so that none is read from L2 (gemv_sweep.py reuses one weight). Split-K timings
 are the kernel alone: its fp32 atomics' output would still need zeroing and converting.
 An experiment, not a kernel of the engine (results: benchmarks/README.md, tenth session).
 
@@ -13,10 +13,10 @@ import functools
 import itertools
 import os
 import sys
-import time
 
 import torch
 
+from benchmarks.gemv_sweep import bench
 from picovllm.kernels.triton_utils import tl, triton
 
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
@@ -60,19 +60,11 @@ def skinny(x, w, cfg, ws=None, kernel_only=False):
     return out if split == 1 or kernel_only else out.to(x.dtype)
 
 
-def bench(fns, reps=56):
-    for f in fns:
-        f()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    g.replay(); torch.cuda.synchronize()
-    best = 1e9
-    for _ in range(3):
-        t = time.perf_counter(); g.replay(); torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / reps)
-    return best * 1e6
+def timed_us(fns: list) -> float:
+    """us per call of the fns taking turns (each with its own copy of the weights), timed by
+    gemv_sweep.bench: 56 calls replayed from one CUDA graph, the median of three replays."""
+    calls = itertools.cycle(fns)
+    return bench(lambda: next(calls)(), reps=56, rounds=3) * 1e6
 
 
 def check():
@@ -101,7 +93,7 @@ def main():
         ws_ = [torch.randn(N, K, dtype=torch.bfloat16, device=dev) / K ** 0.5 for _ in range(8)]
         xs = x[:, :K].contiguous()
         floor = N * K * 2 / 4.8e12 * 1e6
-        cub = bench([functools.partial(torch.mm, xs, w.t()) for w in ws_])
+        cub = timed_us([functools.partial(torch.mm, xs, w.t()) for w in ws_])
         ref = (xs.float() @ ws_[0].float().t())
         res = []
         grid = (itertools.product((64, 128, 256), (64, 128), (1, 2), (3, 4, 5, 6), (4, 8)) if os.environ.get("WIDE")
@@ -115,7 +107,7 @@ def main():
             except triton.runtime.errors.OutOfResources:  # (tiles over the shared memory)
                 continue
             err = (got.float() - ref).abs().max().item()
-            us = bench([functools.partial(skinny, xs, w, cfg, ws, kernel_only=True) for w in ws_])
+            us = timed_us([functools.partial(skinny, xs, w, cfg, ws, kernel_only=True) for w in ws_])
             res.append((us, cfg, err))
         res.sort()
         print(f"M{M} {name} N{N} K{K}: floor {floor:.1f} us, cuBLAS {cub:.1f} us; best Triton: "

@@ -137,8 +137,12 @@ def _thread_cpu_s(thread: threading.Thread) -> float:
 
 
 def _process_cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+IDLE_GAP_S = 0.25  # an interval between steps this long or longer: the engine was idle, waiting for requests
 
 
 def _process_preemptions(pid: int) -> int:
@@ -146,10 +150,8 @@ def _process_preemptions(pid: int) -> int:
     switches, summed over its threads: /proc's process line counts only the first)."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
-            for line in open(f"/proc/{pid}/task/{tid}/status"):
-                if line.startswith("nonvoluntary_ctxt_switches"):
-                    total += int(line.split()[1])
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:  # (OSError: the thread ended)
+            total += sum(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
     return total
 
 
@@ -157,10 +159,10 @@ def _late_outputs(sent: list[float], delivered: list[float], outputs: list[int])
     """Request outputs (about one token each) whose step was delivered over 1.5x the median
     interval after the step before, and how many of those steps the engine process had already
     sent late (over 1.5x the median of its own intervals); the rest were held up on the way (the
-    pipe, the HTTP process's event loop). Gaps of 0.25 s or more (the engine idle) are left out."""
+    pipe, the HTTP process's event loop). Gaps of IDLE_GAP_S or more are left out."""
     sent, delivered, n = np.asarray(sent), np.asarray(delivered), np.asarray(outputs[1:])
     gaps, sent_gaps = np.diff(delivered), np.diff(sent)
-    busy = gaps < 0.25
+    busy = gaps < IDLE_GAP_S
     if not busy.any():
         return {"outputs": 0, "late": 0, "engine_late": 0}
     late = busy & (gaps > 1.5 * np.median(gaps[busy]))
@@ -171,8 +173,7 @@ def _late_outputs(sent: list[float], delivered: list[float], outputs: list[int])
 def _slow_steps(times: list[float]) -> dict:
     """Step intervals over 1.5x the median, and the longest run of them in a row: one stall (a
     collection, a page fault) makes one slow step, a busy or slowed machine a run of them."""
-    gaps = np.diff(times)
-    gaps = gaps[gaps < 0.25]  # (as _step_intervals)
+    gaps = _busy_gaps(times)
     slow = gaps > 1.5 * np.median(gaps) if len(gaps) else np.zeros(0, dtype=bool)
     longest = run = 0
     for s in slow:
@@ -184,9 +185,9 @@ def _slow_steps(times: list[float]) -> dict:
 class EngineProbe:
     """With the server in this process: the intervals between the engine's steps as the server
     sees them (on_step of an AsyncEngine or EngineProcess), the CPU time per step of the engine
-    (its thread, or its process) and of the HTTP thread, and the
-    garbage collector's pauses here (and in the engine's process, when it has one): to tell
-    engine-side stalls from HTTP-side ones in the ITL."""
+    (its thread, or its process) and of the HTTP thread, and the garbage collector's pauses here
+    (and in the engine's process, when it has one): to tell engine-side stalls from HTTP-side
+    ones in the ITL."""
 
     def __init__(self, engine):
         from picovllm.entrypoints.openai.async_engine import GCPauses
@@ -210,9 +211,10 @@ class EngineProbe:
         names = ("picovllm-engine", "picovllm-http")
         self._clocks = {t.name.removeprefix("picovllm-"): functools.partial(_thread_cpu_s, t)
                         for t in threading.enumerate() if t.name in names}
+        self._pids = {"server": os.getpid()}
         if getattr(engine, "pid", None) is not None:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
-        self._pids = {"server": os.getpid(), **({"engine": engine.pid} if "engine-process" in self._clocks else {})}
+            self._pids["engine"] = engine.pid
         self._preempted = {k: _process_preemptions(pid) for k, pid in self._pids.items()}
         self._cpu = {k: clock() for k, clock in self._clocks.items()}
 
@@ -248,9 +250,14 @@ class EngineProbe:
         return out
 
 
-def _step_intervals(times: list[float]) -> dict:
+def _busy_gaps(times: list[float]) -> np.ndarray:
+    """The intervals between steps, those of IDLE_GAP_S or more left out."""
     gaps = np.diff(times)
-    return _stats(gaps[gaps < 0.25].tolist())  # longer: the engine was idle, waiting for requests
+    return gaps[gaps < IDLE_GAP_S]
+
+
+def _step_intervals(times: list[float]) -> dict:
+    return _stats(_busy_gaps(times).tolist())
 
 
 def _gc_summary(stats: list[list]) -> dict:
