@@ -38,7 +38,28 @@ def test_prefix_scenarios(tiny_qwen, capsys):
     by_name = {r["scenario"][0]: r for r in rows}
     assert by_name["b"]["hit_rate_on"] > 0.5 and by_name["b"]["hit_rate_off"] == 0
     assert by_name["c"]["hit_rate_on"] == 0
+    # floors: nothing shared in c, so both settings run the same forwards; b's warm requests
+    # compute a few tokens with the cache on and the whole prompt without it
+    assert by_name["c"]["warm_ttft_bound"] == 1.0
+    assert by_name["b"]["ttft_warm_floor_ms_off"] > by_name["b"]["ttft_warm_floor_ms_on"] > 0
+    assert by_name["b"]["warm_ttft_bound"] > 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["match_insert_us"] > 0
+
+
+def test_forward_flops_counts_weights_attention_and_one_lm_head_row(tiny_qwen):
+    from picovllm import LLM
+    from picovllm.bench.common import forward_flops
+
+    llm = LLM(tiny_qwen[0], device="cpu", dtype="float32", kv_cache_memory=4 << 20, skip_tokenizer_init=True)
+    model = llm.llm_engine.model_runner.model
+    c = model.config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    head = 2 * c.vocab_size * c.hidden_size
+    # 5 new tokens after 7 cached: the queries see 8, 9, ..., 12 keys
+    attention = 4 * q * c.num_hidden_layers * sum(range(8, 13))
+    assert forward_flops(model, 5, 7) == 2 * c.num_hidden_layers * per_layer * 5 + attention + head
+    assert forward_flops(model, 1, 0) == 2 * c.num_hidden_layers * per_layer + 4 * q * c.num_hidden_layers + head
 
 
 def test_late_tokens_are_attributed_to_their_client_process():

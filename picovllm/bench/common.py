@@ -28,6 +28,34 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     return 2 * nbytes * reps / (time.perf_counter() - start)
 
 
+def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Measured dense GEMM throughput in FLOP/s: square matrices of the model's dtype (8,192 on a
+    GPU, 1,024 on a CPU), the compute ceiling as copy_bandwidth is the memory one."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    sync(device)
+    reps = 20 if device.type == "cuda" else 3
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+
+
+def forward_flops(model: torch.nn.Module, num_new: int, num_cached: int) -> int:
+    """FLOPs of a forward that computes num_new tokens after num_cached cached ones and samples
+    the last: every linear layer's weights once per token (2 FLOPs per weight), causal attention
+    (QK^T and PV over each query's keys, its own included), the LM head for one row."""
+    cfg = model.config
+    linear = sum(p.numel() for name, p in model.named_parameters()
+                 if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name)
+    keys = num_new * num_cached + num_new * (num_new + 1) // 2  # summed over the new queries
+    attention = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers * keys
+    return 2 * linear * num_new + attention + 2 * cfg.vocab_size * cfg.hidden_size
+
+
 def decode_bytes_per_step(model: torch.nn.Module, batch: int, context: int, kv_bytes_per_token: int) -> int:
     """Bytes a decode step must read: every weight once (the embedding only for the batch's rows
     unless it is tied to the LM head) plus the KV cache of each sequence."""

@@ -6,6 +6,12 @@
 TTFT (a max_tokens=1 request, one at a time) cold and warm with the cache on and off; wall time of
 each workload generating 32 tokens a request, on against off; hit rates; and the CPU time of
 PrefixCache match + insert for a 2,000-token prompt.
+
+Each TTFT is also set against its floor on this machine: the larger of its forward's FLOPs over
+the measured GEMM throughput and its bytes (weights, KV cache) over the measured copy bandwidth.
+"bound x" is the warm TTFT speedup the cache would give were both settings at their floors: for a
+long shared prefix, the ratio of a compute-bound prefill to a bandwidth-bound forward of a few
+tokens (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ import time
 
 import torch
 
-from picovllm.bench.common import print_json, print_table, sync
+from picovllm.bench.common import copy_bandwidth, decode_bytes_per_step, forward_flops, matmul_flops, print_json, \
+    print_table, sync
 from picovllm.sampling_params import SamplingParams
 
 
@@ -32,15 +39,33 @@ def _scenarios(rng: random.Random, vocab: int, scale: float) -> dict[str, list[l
     }
 
 
-def _ttfts(llm, prompts: list[list[int]]) -> list[float]:
-    out = []
+def _ttfts(llm, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
+    """Each prompt's TTFT (seconds) and the tokens it found cached."""
+    times, cached = [], []
     for p in prompts:
         sync(llm.llm_engine.device)
         start = time.perf_counter()
-        llm.generate({"prompt_token_ids": p}, SamplingParams(max_tokens=1), use_tqdm=False)
+        out = llm.generate({"prompt_token_ids": p}, SamplingParams(max_tokens=1), use_tqdm=False)[0]
         sync(llm.llm_engine.device)
-        out.append(time.perf_counter() - start)
-    return out
+        times.append(time.perf_counter() - start)
+        cached.append(out.num_cached_tokens)
+    return times, cached
+
+
+class Floors:
+    """A forward's time floor on this device: the larger of its FLOPs at the measured GEMM
+    throughput and its bytes at the measured copy bandwidth."""
+
+    def __init__(self, llm):
+        engine = llm.llm_engine
+        self.model = engine.model_runner.model
+        self.kv_token_bytes = engine.model_runner.kv_block_bytes() // engine.config.block_size
+        self.flop_s = matmul_flops(engine.device, engine.dtype)
+        self.byte_s = copy_bandwidth(engine.device)
+
+    def seconds(self, prompt_len: int, cached: int) -> float:
+        nbytes = decode_bytes_per_step(self.model, 1, prompt_len, self.kv_token_bytes)  # (one sequence's KV)
+        return max(forward_flops(self.model, prompt_len - cached, cached) / self.flop_s, nbytes / self.byte_s)
 
 
 def _wall(llm, prompts: list[list[int]], rounds: int) -> float:
@@ -113,6 +138,7 @@ def run_prefix(llm_kwargs: dict, seed: int = 0, repeat: int = 3, scale: float = 
             _ttfts(llm, prompts[:9])
             _wall(llm, prompts, 1)
             llm.reset_prefix_cache()
+    floors_of = Floors(engines["on"])
     rows = []
     for name, prompts in scenarios.items():
         rounds = 3 if name.startswith("a") else 1
@@ -120,14 +146,18 @@ def run_prefix(llm_kwargs: dict, seed: int = 0, repeat: int = 3, scale: float = 
         for mode, llm in engines.items():
             llm.reset_prefix_cache()
             before = llm.get_metrics()
-            ttft = _ttfts(llm, prompts[: 9 if rounds == 3 else 8])
+            ttft, cached = _ttfts(llm, prompts[: 9 if rounds == 3 else 8])
             after = llm.get_metrics()
             queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
             hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
-            cold, warm = (ttft[:3], ttft[3:]) if rounds == 3 else (ttft[:1], ttft[1:])
+            first = 3 if rounds == 3 else 1  # the cold requests
+            cold, warm = ttft[:first], ttft[first:]
             row[f"ttft_cold_ms_{mode}"] = 1e3 * sum(cold) / len(cold)
             row[f"ttft_warm_ms_{mode}"] = 1e3 * sum(warm) / len(warm)
             row[f"hit_rate_{mode}"] = hits / max(queried, 1)
+            floors = [floors_of.seconds(len(p), c) for p, c in zip(prompts[first:], cached[first:])]
+            row[f"ttft_warm_floor_ms_{mode}"] = 1e3 * sum(floors) / len(floors)
+            row[f"warm_{mode}_of_floor"] = row[f"ttft_warm_floor_ms_{mode}"] / row[f"ttft_warm_ms_{mode}"]
         walls = {"on": float("inf"), "off": float("inf")}
         for _ in range(repeat):  # the two take turns; each keeps its best
             for mode, llm in engines.items():
@@ -136,13 +166,19 @@ def run_prefix(llm_kwargs: dict, seed: int = 0, repeat: int = 3, scale: float = 
         row["wall_s_on"], row["wall_s_off"] = walls["on"], walls["off"]
         row["wall_on_vs_off"] = walls["on"] / walls["off"] - 1
         row["warm_ttft_speedup"] = row["ttft_warm_ms_off"] / row["ttft_warm_ms_on"]
+        row["warm_ttft_bound"] = row["ttft_warm_floor_ms_off"] / row["ttft_warm_floor_ms_on"]
         rows.append(row)
     us = match_insert_us(iters=200 if scale < 1 else 2000)
     print_table(rows, [("scenario", "scenario", ""), ("ttft_cold_ms_off", "TTFT cold off", ".1f"),
                        ("ttft_warm_ms_off", "warm off", ".1f"), ("ttft_cold_ms_on", "cold on", ".1f"),
                        ("ttft_warm_ms_on", "warm on", ".1f"), ("warm_ttft_speedup", "warm x", ".2f"),
-                       ("hit_rate_on", "hit rate", ".1%"), ("wall_on_vs_off", "wall on vs off", "+.1%")])
+                       ("warm_ttft_bound", "bound x", ".2f"), ("warm_off_of_floor", "off at floor", ".0%"),
+                       ("warm_on_of_floor", "on at floor", ".0%"), ("hit_rate_on", "hit rate", ".1%"),
+                       ("wall_on_vs_off", "wall on vs off", "+.1%")])
     print(f"PrefixCache match + insert, 2,000-token prompt: {us:.1f} us median (CPU)")
+    print(f"floors: GEMM {floors_of.flop_s / 1e12:.1f} TFLOP/s, copy {floors_of.byte_s / 1e9:.1f} GB/s (measured); "
+          "bound x: warm speedup with both settings at their floors; at floor: floor / TTFT")
     print_json("prefix", {"model": llm_kwargs.get("model"), "device": str(engines["on"].llm_engine.device),
-                          "match_insert_us": us, "results": rows})
+                          "match_insert_us": us, "gemm_tflop_s": floors_of.flop_s / 1e12,
+                          "copy_bandwidth_gb_s": floors_of.byte_s / 1e9, "results": rows})
     return rows
