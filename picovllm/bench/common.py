@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: the memory-bandwidth ceiling, model byte counts, result tables."""
+"""Shared benchmark helpers: the memory-bandwidth and GEMM ceilings, model byte and FLOP counts,
+result tables."""
 from __future__ import annotations
 
 import json
@@ -12,20 +13,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _rate(fn, amount: float, device: torch.device, reps: int) -> float:
+    """amount (of bytes, FLOPs...) per call of fn, per second: one call untimed, then reps timed."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return amount * reps / (time.perf_counter() - start)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     """Measured copy bandwidth in bytes/s, counting bytes read and written (as gpt-fast and
     the roofline do)."""
     nbytes = nbytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    reps = 20 if device.type == "cuda" else 5
-    start = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    sync(device)
-    return 2 * nbytes * reps / (time.perf_counter() - start)
+    return _rate(lambda: dst.copy_(src), 2 * nbytes, device, 20 if device.type == "cuda" else 5)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -34,14 +39,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    a @ b
-    sync(device)
-    reps = 20 if device.type == "cuda" else 3
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+    return _rate(lambda: a @ b, 2 * n ** 3, device, 20 if device.type == "cuda" else 3)
 
 
 def forward_flops(model: torch.nn.Module, num_new: int, num_cached: int) -> int:
