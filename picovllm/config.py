@@ -134,7 +134,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes for the KV pool; set, it overrides gpu_memory_utilization (default on CPU: 2 GiB)
     num_gpu_blocks_override: int | None = None
-    swap_space: float = 0.0  # GiB of (pinned) CPU pool for swap_out / swap_in
     load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
@@ -163,7 +162,6 @@ class EngineConfig:
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              "num_gpu_blocks_override", "must be >= 1")
-        need(self.swap_space >= 0, "swap_space", "must be >= 0")
         need(isinstance(self.async_scheduling, bool), "async_scheduling", "must be True or False")
         need(isinstance(self.mixed_graph_tokens, int) and 0 <= self.mixed_graph_tokens <= 8192,
              "mixed_graph_tokens", "must be an integer in [0, 8192]")

@@ -3,7 +3,25 @@ dependent launch on (the interpreter runs them with it off); prints 'ok' per ker
 import sys
 
 from picovllm.kernels import decode_attention, gemv, kv_store, prefill_attention, rms_norm, silu_mul
-from picovllm.kernels.triton_utils import compile_sm90
+from picovllm.kernels.triton_utils import triton
+
+
+def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps"), divisible=(), num_warps: int = 4,
+                 num_stages: int = 3):
+    """Compile a kernel ahead of time for Hopper (sm_90), no GPU needed (here, and
+    benchmarks/kernels/kernel_sass.py). pointers: argument name -> Triton pointer type ("*bf16"); every
+    other argument not in constexprs is an i32 (fp32 if in floats); those in divisible are
+    declared multiples of 16, as Triton specialises them at launch."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+                 for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if (name in divisible or name in pointers) and name not in constexprs}
+    constants = {(i,): constexprs[name] for i, name in enumerate(fn.arg_names) if name in constexprs}
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def main(dt: str) -> None:
@@ -28,10 +46,8 @@ def main(dt: str) -> None:
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
         *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=8,
-                                   BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile, DOT=False, PRECISION=precision))
+                                   BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile))
           for one_tile in (False, True)],
-        (gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=64,
-                                 BLOCK_N=32, BLOCK_K=128, ONE_TILE=False, DOT=True, PRECISION=precision)),
     ]
     for fn, constexprs in kernels:  # with programmatic dependent launch (the default on sm_90): its wait compiled in
         ptx = compile_sm90(fn, ptrs, {**constexprs, "USE_PDL": True}).asm["ptx"]

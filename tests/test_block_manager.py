@@ -9,9 +9,9 @@ from picovllm import SamplingParams
 from picovllm.engine.block_manager import BlockManager, NoFreeBlocksError
 
 
-def _bm(num_blocks=8, cpu_blocks=0):
+def _bm(num_blocks=8):
     return BlockManager(num_blocks, 4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
-                        device=torch.device("cpu"), num_cpu_blocks=cpu_blocks)
+                        device=torch.device("cpu"))
 
 
 def test_allocate_free_and_refcounts():
@@ -30,28 +30,6 @@ def test_allocate_free_and_refcounts():
     bm.check_invariants()
     with pytest.raises(AssertionError, match="double free"):
         bm.free(a[:1])
-
-
-def test_swap_out_and_in_preserves_data():
-    bm = _bm(num_blocks=4, cpu_blocks=4)
-    ids = bm.allocate(2)
-    k, v = bm.layer_caches()[1]
-    k[ids[0]].fill_(1.5)
-    v[ids[1]].fill_(-2.0)
-    cpu_ids = bm.swap_out(ids)
-    assert bm.num_free_blocks == 4 and bm.cpu.num_free == 2
-    k.zero_(), v.zero_()
-    back = bm.swap_in(cpu_ids)
-    assert bm.cpu.num_free == 4 and bm.num_free_blocks == 2
-    k, v = bm.layer_caches()[1]
-    assert torch.all(k[back[0]] == 1.5) and torch.all(v[back[1]] == -2.0)
-    bm.check_invariants()
-
-
-def test_swap_without_cpu_pool_is_a_clear_error():
-    bm = _bm()
-    with pytest.raises(NoFreeBlocksError, match="swap_space"):
-        bm.swap_out(bm.allocate(1))
 
 
 def test_blocks_conserved_under_random_churn(tiny_qwen):

@@ -1,12 +1,12 @@
 """The paged KV cache: pre-allocated block pools and their accounting.
 
-The BlockManager offers mechanisms (allocate, reference counts, free, swap); the scheduler
+The BlockManager offers mechanisms (allocate, reference counts, free); the scheduler
 decides policy (whom to admit, whom to preempt). It knows nothing of requests or of a prefix
 tree: a block's reference count is the number of holders, and a block is free exactly when its
 count is 0.
 
 Invariants (check_invariants): every device block is either free (ref 0, in the free list
-once) or used (ref >= 1); free + used = total; likewise for the CPU pool.
+once) or used (ref >= 1); free + used = total.
 """
 from __future__ import annotations
 
@@ -62,25 +62,20 @@ class BlockPool:
 
 
 class BlockManager:
-    """Owns the KV pool of the compute device and an optional (pinned) CPU pool for swapping.
+    """Owns the KV pool of the compute device.
 
     Pool layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], so that
     one layer's K (or V) cache is a contiguous [num_blocks, block_size, heads, head_dim] view.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, num_cpu_blocks: int = 0):
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
         self.device = device
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: padded reads of never-written slots must be finite for masked attention
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.gpu = BlockPool(num_blocks)
-        self.cpu = BlockPool(num_cpu_blocks)
-        self.cpu_cache = None
-        if num_cpu_blocks:
-            cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
-            self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
 
     @staticmethod
     def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -118,24 +113,5 @@ class BlockManager:
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer[0], layer[1]) for layer in self.kv_cache]
 
-    def swap_out(self, ids: list[int]) -> list[int]:
-        """Copy device blocks to fresh CPU blocks and drop the device references."""
-        if self.cpu_cache is None:
-            raise NoFreeBlocksError("no CPU pool: set swap_space > 0")
-        cpu_ids = self.cpu.allocate(len(ids))
-        src = torch.tensor(ids, device=self.device)
-        self.cpu_cache[:, :, torch.tensor(cpu_ids)] = self.kv_cache[:, :, src].to("cpu")
-        self.gpu.free(ids)
-        return cpu_ids
-
-    def swap_in(self, cpu_ids: list[int]) -> list[int]:
-        """Copy CPU blocks back into fresh device blocks and release the CPU blocks."""
-        ids = self.gpu.allocate(len(cpu_ids))
-        dst = torch.tensor(ids, device=self.device)
-        self.kv_cache[:, :, dst] = self.cpu_cache[:, :, torch.tensor(cpu_ids)].to(self.device, non_blocking=True)
-        self.cpu.free(cpu_ids)
-        return ids
-
     def check_invariants(self) -> None:
         self.gpu.check_invariants()
-        self.cpu.check_invariants()

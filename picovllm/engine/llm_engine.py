@@ -9,7 +9,6 @@ from __future__ import annotations
 import array
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -17,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from picovllm import envs
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.detokenizer import Detokenizer
@@ -167,10 +167,8 @@ class LLMEngine:
 
         attn = self.model_runner.model.attention_layers()[0]
         block_bytes = self.model_runner.kv_block_bytes()
-        num_cpu_blocks = int(config.swap_space * (1 << 30) // block_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.model_config.num_hidden_layers,
-                                          attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
-                                          num_cpu_blocks)
+                                          attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         self.model_runner.bind_kv_cache(self.block_manager)
         self.graph_capture_s = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -183,9 +181,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.enable_chunked_prefill)
         self.groups: dict[str, _Group] = {}
-        # PICOVLLM_CHECK_INVARIANTS=1: verify block reference counts, tree locks and block
-        # conservation after every step (slow; for debugging)
-        self.debug_invariants = os.environ.get("PICOVLLM_CHECK_INVARIANTS", "") not in ("", "0")
+        self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
         self.async_scheduling = config.async_scheduling
         self._inflight: _Step | None = None  # a step launched ahead, its tokens not read yet

@@ -11,12 +11,9 @@ weight once, with the layer's neighbours fused in:
 
 Rounding follows the unfused reference step by step (fused_linear_ref): the normed input is
 rounded to the model dtype, as are the linear output, the SiLU output and the residual sum.
-At one row the products are reduced on CUDA cores; on the H200 this beats cuBLAS plus the
-separate norm / activation / add kernels on every projection of Qwen2.5-1.5B. At eight rows that
-reduction lost 4x to cuBLAS's tensor cores (benchmarks/README.md); from two rows on the kernel
-therefore multiplies on tensor cores (tl.dot, rows padded to 16): at 40 rows level with cuBLAS
-except on the down projection (17.4 against 9.1 us: cuBLAS splits its K = 8,960), so the model
-keeps cuBLAS there (model/layers/linear.py).
+The products are reduced on CUDA cores: at one row this beats cuBLAS plus the separate norm /
+activation / add kernels on every projection of Qwen2.5-1.5B on the H200, so the model uses it
+for one row (model/layers/linear.py); at eight rows it is 4x slower than cuBLAS's tensor cores.
 """
 from __future__ import annotations
 
@@ -25,9 +22,9 @@ import torch.nn.functional as F
 
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
-from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
+from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
 
-MAX_ROWS = 64  # the kernel's limit; model/layers/linear.py uses it where it beats cuBLAS
+MAX_ROWS = 16  # rows in one program (registers); the model uses one
 
 
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -64,13 +61,9 @@ def _weight_tiles(weight, n, k, nmask, K, s_wn, s_wk, up_offset, SILU_MUL: tl.co
 
 
 @triton.jit
-def _rows_times_tile(xv, w, dt, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """[M, K] rows times an [N, K] weight tile, transposed: [M, N] in fp32. DOT: on tensor cores
-    (tl.dot; M, N, K >= 16); otherwise a broadcast product reduced on CUDA cores."""
-    if DOT:
-        return tl.dot(xv.to(dt), tl.trans(w.to(dt)), input_precision=PRECISION)
-    else:
-        return tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+def _rows_times_tile(xv, w):
+    """[M, K] rows times an [N, K] weight tile, transposed: [M, N] in fp32, reduced on CUDA cores."""
+    return tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
@@ -79,7 +72,7 @@ def _gemv_kernel(
     M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     dt = out.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,9 +91,9 @@ def _gemv_kernel(
         if HAS_NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / K + eps)
             xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
-        acc += _rows_times_tile(xv, w, dt, DOT, PRECISION)
+        acc += _rows_times_tile(xv, w)
         if SILU_MUL:
-            acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
+            acc_up += _rows_times_tile(xv, wu)
     else:
         # the first weight tile's loads before the wait (ONE_TILE issues all of them there), each
         # next tile's after the current one's products: H200, batch 1: 1.496 -> 1.485 ms per step
@@ -121,9 +114,9 @@ def _gemv_kernel(
                          other=0.0).to(tl.float32)
             if HAS_NORM:
                 xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
-            acc += _rows_times_tile(xv, w, dt, DOT, PRECISION)
+            acc += _rows_times_tile(xv, w)
             if SILU_MUL:
-                acc_up += _rows_times_tile(xv, wu, dt, DOT, PRECISION)
+                acc_up += _rows_times_tile(xv, wu)
             w, wu = _weight_tiles(weight, n, k + BLOCK_K, nmask, K, s_wn, s_wk, up_offset, SILU_MUL)  # the next
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -141,21 +134,18 @@ def _gemv_kernel(
 
 def gemv_config(rows: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) -> dict:
     """Tiles and warps for `rows` rows of an [n, k] weight (n outputs: with silu_mul each program
-    reads 2 weight rows per output); norm: the RMSNorm is fused in.
-    One row: swept on the H200 as the model runs them, a whole step's GEMVs graphed under
-    programmatic dependent launch (`gemv_sweep.py chain`, benchmarks/README.md). K in one tile
-    (up to 2,048): with the norm fused, 4 weight rows per program on one warp (both reductions
-    stay within the warp: no shared memory, no barrier); without (the o projection), 8 rows on 2
-    warps. Deeper K (the down projection): 4,096-wide tiles of 4 rows on 8 warps.
-    Several rows: tensor cores (tl.dot, rows padded to 16 or more), 32 x 128 weight tiles (the
-    40-row sweep's best tiles differ by projection: benchmarks/README.md)."""
-    if rows > 1:
-        return dict(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=32, BLOCK_K=128, DOT=True)
+    reads 2 weight rows per output); norm: the RMSNorm is fused in. Swept on the H200 at one row
+    as the model runs them, a whole step's GEMVs graphed under programmatic dependent launch
+    (benchmarks/kernels/gemv_sweep.py chain). K in one tile (up to 2,048): with the norm fused,
+    4 weight rows per program on one warp (both reductions stay within the warp: no shared
+    memory, no barrier); without (the o projection), 8 rows on 2 warps. Deeper K (the down
+    projection): 4,096-wide tiles of 4 rows on 8 warps."""
+    block_m = next_pow2(rows)
     if k > 2048:
-        return dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=4096, num_warps=8)
+        return dict(BLOCK_M=block_m, BLOCK_N=4, BLOCK_K=4096, num_warps=8)
     if norm:
-        return dict(BLOCK_M=1, BLOCK_N=2 if silu_mul else 4, BLOCK_K=max(16, next_pow2(k)), num_warps=1)
-    return dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=max(16, next_pow2(k)), num_warps=2)
+        return dict(BLOCK_M=block_m, BLOCK_N=2 if silu_mul else 4, BLOCK_K=max(16, next_pow2(k)), num_warps=1)
+    return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=max(16, next_pow2(k)), num_warps=2)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -166,14 +156,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert not (silu_mul and bias is not None), "a fused gate_up has no bias"
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    cfg = {"DOT": False, "num_warps": 4, **(config or gemv_config(rows, n, k, norm_weight is not None, silu_mul))}
+    cfg = {"num_warps": 4, **(config or gemv_config(rows, n, k, norm_weight is not None, silu_mul))}
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
         res, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         res.stride(0), out.stride(0), n, eps,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], PRECISION=dot_precision(x.dtype), **cfg,
-        **pdl(x),
+        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], **cfg, **pdl(x),
     )
     return out

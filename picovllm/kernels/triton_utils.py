@@ -6,9 +6,10 @@ Triton is imported) on CPU tensors."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from picovllm import envs
 
 try:
     import triton
@@ -28,7 +29,7 @@ except ImportError:  # pragma: no cover - exercised on installs without Triton
     triton = tl = _Stub()
 
 
-ENABLED = os.environ.get("PICOVLLM_DISABLE_TRITON", "") in ("", "0")  # tests compare both paths on CUDA
+ENABLED = not envs.disable_triton()  # tests compare both paths on CUDA
 # Tests set this (with TRITON_INTERPRET=1) to run the whole engine's Triton path on CPU tensors.
 ON_CPU = False
 
@@ -36,8 +37,9 @@ ON_CPU = False
 # Programmatic dependent launch (Hopper and later): each kernel is launched while the one before it
 # drains, and does what does not read that one's output (address math, weight loads) before it
 # waits (pdl_wait): launch latency and the first weight loads overlap the previous kernel's tail.
-# On the H200, batch-1 decode 1.582 -> 1.500 ms per step (benchmarks/README.md). PICOVLLM_PDL=0: off.
-PDL = os.environ.get("PICOVLLM_PDL", "1") != "0"
+# On the H200, batch-1 decode 1.582 -> 1.500 ms per step (benchmarks/README.md). Off before Hopper;
+# tests compare with it off, and the kernel profiler turns it off so that kernel times add up.
+PDL = True
 
 
 @functools.cache
@@ -75,21 +77,3 @@ def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot rounds fp32 operands to TF32 by default on the GPU (1e-3 relative error); fp32 runs
     ask for IEEE fp32 so that they stay a tight check of the bf16 ones."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps"), divisible=(), num_warps: int = 4,
-                 num_stages: int = 3):
-    """Compile a kernel ahead of time for Hopper (sm_90), no GPU needed (tests/compile_kernels.py,
-    benchmarks/kernel_sass.py). pointers: argument name -> Triton pointer type ("*bf16"); every
-    other argument not in constexprs is an i32 (fp32 if in floats); those in divisible are
-    declared multiples of 16, as Triton specialises them at launch."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
-                 for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if (name in divisible or name in pointers) and name not in constexprs}
-    constants = {(i,): constexprs[name] for i, name in enumerate(fn.arg_names) if name in constexprs}
-    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})

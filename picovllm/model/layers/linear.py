@@ -5,12 +5,9 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
-is one GEMV kernel (kernels/gemv.py; up to GEMV_MAX_ROWS rows); otherwise the ops run one after
-the other.
+is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -18,19 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
-from picovllm.kernels.gemv import MAX_ROWS, gemv_triton
+from picovllm.kernels.gemv import gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
-
-GEMV_ENABLED = os.environ.get("PICOVLLM_DISABLE_GEMV", "") in ("", "0")  # for before/after benchmarks
-# Rows up to which the fused GEMV replaces cuBLAS plus the separate norm / SiLU*mul / add kernels.
-# On the H200 the one-row version wins; the CUDA-core version lost 4x at eight rows; the
-# tensor-core version (two rows and more) is level with cuBLAS at 40 rows except on the down
-# projection (2x slower: cuBLAS splits its K = 8,960), so it stays off: PICOVLLM_GEMV_MAX_ROWS=64
-# turns it on for experiments (benchmarks/README.md), for weights at most GEMV_ROWS_MAX_K deep
-# (one K tile: the down projection stays on cuBLAS).
-GEMV_MAX_ROWS = min(int(os.environ.get("PICOVLLM_GEMV_MAX_ROWS", "1")), MAX_ROWS)
-GEMV_ROWS_MAX_K = 2048
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: nn.Module | None = None,
@@ -41,8 +28,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     first took a copy of it (a device-to-device copy per call, two per layer). On the CPU a single
     row goes through matrix-vector kernels, which stream the weight about 1.7x faster than the GEMM
     path for M = 1 (benchmarks/README.md)."""
-    if (GEMV_ENABLED and use_triton(x) and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-            and (x.shape[0] == 1 or x.shape[1] <= GEMV_ROWS_MAX_K)):
+    if use_triton(x) and x.dim() == 2 and x.shape[0] == 1:
         return gemv_triton(x, weight, bias, norm.weight if norm is not None else None,
                            norm.eps if norm is not None else 0.0, residual, silu_mul)
     if norm is not None:

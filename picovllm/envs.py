@@ -1,0 +1,25 @@
+"""The environment variables Pico-vLLM reads: debugging switches, each documented here. Every
+other setting is an engine option (EngineConfig, CLI flags). The model cache's location
+(PICOVLLM_CACHE, then XDG_CACHE_HOME) is read where the cache is (model/loader/builtin.py).
+
+    PICOVLLM_CHECK_INVARIANTS=1  after every step, check every block's reference count, the
+                                 prefix tree's locks and block conservation (slow; read when
+                                 an engine is built)
+    PICOVLLM_DISABLE_TRITON=1    run the PyTorch reference of every kernel, also on a GPU (no
+                                 CUDA graphs then; read when picovllm.kernels is imported)
+"""
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def check_invariants() -> bool:
+    return _flag("PICOVLLM_CHECK_INVARIANTS")
+
+
+def disable_triton() -> bool:
+    return _flag("PICOVLLM_DISABLE_TRITON")
