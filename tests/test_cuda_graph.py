@@ -4,7 +4,15 @@ import numpy as np
 import torch
 
 from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
-from picovllm.engine.model_runner import Uploader, build_inputs
+from picovllm.engine.inputs import MixedPadding, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
+
+CPU_UPLOAD = Uploader(torch.device("cpu"))
+
+
+def _step(token_ids, context_lens, block_tables, sample=None) -> StepInputs:
+    query_lens = np.array([len(t) for t in token_ids], dtype=np.int64)
+    sample = np.ones(len(token_ids), dtype=bool) if sample is None else np.array(sample)
+    return StepInputs(token_ids, np.array(context_lens, dtype=np.int64), query_lens, block_tables, sample)
 
 
 def test_batch_size_ladder():
@@ -20,8 +28,8 @@ def test_padding_rows_are_inert():
     buf = DecodeGraphs(None, max_num_seqs=8, max_model_len=20, block_size=4, device=torch.device("cpu"))
     assert buf.block_tables.shape == (8, 5)
     buf.vectors.fill_(99), buf.block_tables.fill_(7)  # stale values
-    inputs = build_inputs([[11], [12], [13]], np.array([5, 9, 17]), np.ones(3, dtype=np.int64),
-                          [[3, 4], [1, 2, 6], [0, 5, 8, 9, 10]], 4, Uploader(torch.device("cpu")), pad_to=4)
+    inputs = build_decode(_step([[11], [12], [13]], [5, 9, 17], [[3, 4], [1, 2, 6], [0, 5, 8, 9, 10]]), 4,
+                          CPU_UPLOAD, batch_size=4)
     assert inputs.logits_indices is None and inputs.meta.max_query_len == 1
     assert buf.fill(inputs) == 4
     ids, positions, meta = buf.args(4)
@@ -35,23 +43,23 @@ def test_padding_rows_are_inert():
 
 
 def test_prefill_inputs_sample_the_last_token_of_each_sequence():
-    inputs = build_inputs([[5, 6, 7], [8]], np.array([3, 6]), np.array([3, 1]), [[2], [4, 1]], 4,
-                          Uploader(torch.device("cpu")))
+    inputs = build_eager(_step([[5, 6, 7], [8]], [3, 6], [[2], [4, 1]]), 4, CPU_UPLOAD)
     assert inputs.positions.tolist() == [0, 1, 2, 5]
     assert inputs.meta.slot_mapping.tolist() == [8, 9, 10, 1 * 4 + 1]
-    assert inputs.logits_indices.tolist() == [2, 3] and inputs.decode_rows is None
+    assert inputs.logits_indices.tolist() == [2, 3] and inputs.graph_inputs is None
     assert inputs.meta.prefill_work.tolist() == [0]  # sequence 0's one query block (1 is the decode kernel's)
 
 
 def test_mixed_graph_sizes_and_padding_choice():
     assert mixed_graph_sizes(1) == [16] and mixed_graph_sizes(100) == [16, 32, 64, 128]
     graphs = MixedGraphs(None, 100, max_num_seqs=4, max_model_len=64, block_size=4, device=torch.device("cpu"))
-    assert graphs.padded_size(16, 3) == 16 and graphs.padded_size(17, 3) == 32
-    assert graphs.num_seqs(16) == 4 and graphs.padded_size(10, 5) is None  # more sequences than captured
-    assert graphs.padded_size(129, 1) is None  # more tokens than the largest graph
+    assert graphs.padding(16, 3) == (16, 4, 9) and graphs.padding(17, 3).tokens == 32
+    assert graphs.num_seqs(16) == 4 and graphs.padding(10, 5) is None  # more sequences than captured
+    assert graphs.padding(129, 1) is None  # more tokens than the largest graph
     # prefill work: query blocks of 64 of the multi-token sequences, at most 8 more than T / 64
     assert [graphs.work_capacity(t) for t in (16, 64, 128)] == [9, 9, 10]
-    assert graphs.padded_size(16, 3, 9) == 16 and graphs.padded_size(16, 3, 10) == 128
+    assert graphs.padding(16, 3, 9).tokens == 16 and graphs.padding(16, 3, 10).tokens == 128
+    assert graphs.layout(16) == (48, 4, 5, 9)
 
 
 def test_mixed_graph_runs_the_decode_kernel_only_when_a_sequence_decodes():
@@ -62,10 +70,8 @@ def test_mixed_graph_runs_the_decode_kernel_only_when_a_sequence_decodes():
     assert [graphs.args(k)[2].any_single_query for k in graphs.keys()] == [True, False, True, False]
 
     def key(query_lens):
-        inputs = build_inputs([list(range(n)) for n in query_lens], np.array([n + 4 for n in query_lens]),
-                              np.array(query_lens), [[1, 2, 3], [4, 5, 6]], 4, Uploader(torch.device("cpu")),
-                              pad_mixed=(16, 4, graphs.work_capacity(16)))
-        return graphs.fill(inputs)
+        step = _step([list(range(n)) for n in query_lens], [n + 4 for n in query_lens], [[1, 2, 3], [4, 5, 6]])
+        return graphs.fill(build_mixed_graph(step, 4, CPU_UPLOAD, graphs.padding(16, 2, 2)))
 
     assert key([5, 1]) == (16, True)  # a prompt chunk and a decode
     assert key([5, 3]) == (16, False)  # two prompt chunks
@@ -103,17 +109,15 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     stored = [t.clone() for t in engine.block_manager.layer_caches()[0]]
 
     class EagerMixed:  # MixedGraphs' padding without the graphs
-        num_seqs = staticmethod(lambda size: 4)
-        padded_size = staticmethod(lambda tokens, seqs, work_items: 16)
-        work_capacity = staticmethod(lambda size: 3)
+        padding = staticmethod(lambda tokens, seqs, work_items: MixedPadding(16, 4, 3))
         run = staticmethod(lambda inputs: runner.model(inputs.input_ids, inputs.positions, inputs.meta))
 
     for t, saved in zip(engine.block_manager.layer_caches()[0], caches):
         t.copy_(saved)
     runner.mixed_graphs = EagerMixed()
     with torch.inference_mode():  # as the engine calls it (on CUDA, the upload buffers are inference tensors)
-        inputs = runner.prepare(batch)
-    assert inputs.token_rows.shape == (3, 16) and inputs.token_rows[2, 12:].eq(-1).all()
+        inputs, graphs = runner.prepare(batch)
+    assert graphs is runner.mixed_graphs and inputs.input_ids.shape == (16,) and inputs.meta.slot_mapping[12:].eq(-1).all()
     assert inputs.meta.query_start_loc.tolist() == [0, 1, 12, 12, 12] and inputs.meta.context_lens.tolist()[2:] == [0, 0]
     assert inputs.meta.prefill_work.tolist() == [1 << 16, -1, -1]  # b's one query block; a is the decode kernel's
     padded = runner.logits(batch)

@@ -2,8 +2,8 @@
 
 Decode: one graph per batch size in a ladder (1, 2, 4, 8, then steps of 16), in one shared
 memory pool. A step's inputs come padded to the next captured size (padding rows: slot -1, so
-nothing is stored, and a one-token context; model_runner.build_inputs), are copied into the
-buffers with two device copies, and the graph replays; larger batches run eagerly.
+nothing is stored, and a one-token context; inputs.build_decode), are copied into the buffers
+with two device copies, and the graph replays; larger batches run eagerly.
 
 Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: two graphs
 per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
@@ -24,28 +24,18 @@ from __future__ import annotations
 
 import logging
 import time
+
 import torch
 
+from picovllm.engine.inputs import MixedPadding, ModelInputs, packed_layout
 from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
 from picovllm.model.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("picovllm")
 
 MAX_GRAPH_BATCH = 512
-PACK_ALIGN = 16  # elements: a step's arrays are packed for upload with each starting 128-byte aligned,
-# so that Triton compiles one variant of each kernel (it specialises on pointer alignment)
 MAX_GRAPH_PREFILLS = 8  # a mixed-step graph serves steps with up to this many multi-token sequences
 _LADDER = [1, 2, 4, 8, *range(16, MAX_GRAPH_BATCH + 1, 16)]
-
-
-def packed_layout(sizes) -> tuple[list[int], int]:
-    """Where arrays of these sizes (elements) start when packed one after another, PACK_ALIGN
-    aligned (model_runner.Uploader, and a mixed-step graph's inputs), and the packed length."""
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += -(-size // PACK_ALIGN) * PACK_ALIGN
-    return offsets, total
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -79,7 +69,7 @@ class _GraphSet:
         """(input_ids, positions, metadata) of the graph of this key, views of the buffers."""
         raise NotImplementedError
 
-    def fill(self, inputs):
+    def fill(self, inputs: ModelInputs):
         raise NotImplementedError
 
     def _fill_tables(self, block_tables: torch.Tensor) -> None:
@@ -106,8 +96,8 @@ class _GraphSet:
                     self.sizes[0], self.sizes[-1], elapsed)
         return elapsed
 
-    def run(self, inputs) -> torch.Tensor:
-        """Hidden states (all rows of the captured size) of a step that build_inputs padded."""
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        """Hidden states (all rows of the captured size) of a step padded for this family."""
         key = self.fill(inputs)
         self.graphs[key].replay()
         return self.outputs[key]
@@ -117,7 +107,7 @@ class DecodeGraphs(_GraphSet):
     """Decode, by batch size P; the graph of size P reads rows [:P].
 
     vectors [4, max_batch]: input ids, positions, slots, context lens (one copy per step fills
-    them, from the [4, P] array that build_inputs uploads already padded)."""
+    them, from the [4, P] graph_inputs that inputs.build_decode uploads already padded)."""
 
     kind = "decode batch"
 
@@ -138,10 +128,10 @@ class DecodeGraphs(_GraphSet):
                                  max_query_len=1, max_context_len=self.max_model_len)
         return ids, positions, meta
 
-    def fill(self, inputs) -> int:
-        """A decode batch padded to P (ModelInputs with decode_rows): two copies."""
-        size = inputs.decode_rows.shape[1]
-        self.vectors[:, :size].copy_(inputs.decode_rows)
+    def fill(self, inputs: ModelInputs) -> int:
+        """A decode batch padded to P: two copies."""
+        size = inputs.graph_inputs.shape[1]
+        self.vectors[:, :size].copy_(inputs.graph_inputs)
         self._fill_tables(inputs.meta.block_tables)
         return size
 
@@ -160,11 +150,11 @@ class MixedGraphs(_GraphSet):
     (T, decodes): decodes says whether the graph runs the decode kernel (some sequence has
     exactly one token).
 
-    Each token count T has its inputs packed in one buffer (packed_layout of tokens [3, T]: input
-    ids, positions, slots; context_lens [S] and query_start_loc [S + 1] for S = num_seqs(T)
+    Each token count T has its inputs packed in one buffer (layout(T): tokens [3, T]: input ids,
+    positions, slots; context_lens [S] and query_start_loc [S + 1] for S = num_seqs(T)
     sequences; the prefill attention's work list [work_capacity(T)]), which a step fills with one
-    copy of what build_inputs packed the same way; the block tables are shared by all sizes (a
-    second copy)."""
+    copy of what inputs.build_mixed_graph packed the same way; the block tables are shared by all
+    sizes (a second copy)."""
 
     kind = "mixed step tokens"
 
@@ -176,7 +166,7 @@ class MixedGraphs(_GraphSet):
         super().__init__(model, sizes, seqs, max_model_len, block_size, device)
         self.inputs = {}  # T -> (packed buffer, tokens, context_lens, query_start_loc, work)
         for size in sizes:
-            lengths = (3 * size, self.num_seqs(size), self.num_seqs(size) + 1, self.work_capacity(size))
+            lengths = self.layout(size)
             offsets, total = packed_layout(lengths)
             packed = torch.zeros(total, dtype=torch.int64, device=device)
             tokens, ctx, qsl, work = (packed[o: o + n] for o, n in zip(offsets, lengths))
@@ -194,9 +184,16 @@ class MixedGraphs(_GraphSet):
         graph of this token count serves: any step with at most MAX_GRAPH_PREFILLS such sequences."""
         return -(-tokens // PREFILL_BLOCK_M) + MAX_GRAPH_PREFILLS
 
-    def padded_size(self, num_tokens: int, num_seqs: int, work_items: int = 0) -> int | None:
-        return next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs
+    def padding(self, num_tokens: int, num_seqs: int, work_items: int = 0) -> MixedPadding | None:
+        """The shape of the smallest graph that serves a step of this size (None: none does)."""
+        size = next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs
                      and self.work_capacity(s) >= work_items), None)
+        return None if size is None else MixedPadding(size, self.num_seqs(size), self.work_capacity(size))
+
+    def layout(self, size: int) -> tuple[int, int, int, int]:
+        """The lengths of the arrays packed in the buffer of token count `size`, in order: tokens
+        [3, size] (input ids, positions, slots), context lens, query_start_loc, prefill work."""
+        return 3 * size, self.num_seqs(size), self.num_seqs(size) + 1, self.work_capacity(size)
 
     def keys(self) -> list[tuple[int, bool]]:
         return [(size, decodes) for size in reversed(self.sizes) for decodes in (True, False)]
@@ -208,10 +205,10 @@ class MixedGraphs(_GraphSet):
                                  max_context_len=self.max_model_len, any_single_query=decodes, prefill_work=work)
         return ids, positions, meta
 
-    def fill(self, inputs) -> tuple[int, bool]:
-        """A step padded to T tokens and num_seqs(T) sequences (ModelInputs with token_rows and
-        graph_inputs); returns its key (T, whether some sequence decodes)."""
-        size = inputs.token_rows.shape[1]
+    def fill(self, inputs: ModelInputs) -> tuple[int, bool]:
+        """A step padded to T tokens and num_seqs(T) sequences; returns its key (T, whether some
+        sequence decodes)."""
+        size = inputs.input_ids.shape[0]
         assert inputs.meta.block_tables.shape[0] == self.num_seqs(size), (inputs.meta.block_tables.shape, size)
         packed = self.inputs[size][0]
         packed.copy_(inputs.graph_inputs[: packed.numel()])
