@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+logger = logging.getLogger("picovllm")
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
@@ -166,3 +171,36 @@ class EngineConfig:
         need(isinstance(self.mixed_graph_tokens, int) and 0 <= self.mixed_graph_tokens <= 8192,
              "mixed_graph_tokens", "must be an integer in [0, 8192]")
         need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The context limit before the KV cache is sized: max_model_len, else the model's."""
+    max_position = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > max_position:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {max_position}")
+    return config.max_model_len or max_position
+
+
+def resolve_limits(config: EngineConfig, max_model_len: int, kv_capacity: int) -> tuple[int, int]:
+    """(max_model_len, max_num_batched_tokens) once the KV cache holds kv_capacity tokens: a
+    max_model_len left to its default is lowered to what the cache holds (one asked for that
+    does not fit is an error); the step budget defaults to 8192 (at least max_num_seqs, and
+    without chunked prefill at least max_model_len, since a prompt must then fit one step)."""
+    if max_model_len > kv_capacity:
+        if config.max_model_len is not None:
+            raise ValueError(f"max_model_len {max_model_len} needs more KV cache than the pool holds "
+                             f"({kv_capacity} tokens); lower max_model_len or give the KV cache more memory")
+        logger.warning("max_model_len lowered from %d to %d, what the KV cache holds", max_model_len, kv_capacity)
+        max_model_len = kv_capacity
+    default_budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if not config.enable_chunked_prefill:
+        default_budget = max(default_budget, max_model_len)
+    budget = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+    if not config.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
+                         f"({max_model_len}) without chunked prefill: prompts are prefilled in one step")
+    if budget < config.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs "
+                         f"({config.max_num_seqs}): every running request decodes a token per step")
+    return max_model_len, budget

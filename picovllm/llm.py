@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from picovllm.engine.llm_engine import LLMEngine, PromptType
+from picovllm.engine.input_processor import PromptType
+from picovllm.engine.llm_engine import LLMEngine
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 

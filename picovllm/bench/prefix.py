@@ -20,8 +20,15 @@ import time
 
 import torch
 
-from picovllm.bench.common import copy_bandwidth, decode_bytes_per_step, forward_flops, matmul_flops, print_json, \
-    print_table, sync
+from picovllm.bench.common import (
+    copy_bandwidth,
+    decode_bytes_per_step,
+    forward_flops,
+    matmul_flops,
+    print_json,
+    print_table,
+    sync,
+)
 from picovllm.sampling_params import SamplingParams
 
 

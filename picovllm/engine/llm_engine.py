@@ -6,20 +6,18 @@
 """
 from __future__ import annotations
 
-import array
 import itertools
 import logging
 import time
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from picovllm import envs
-from picovllm.config import EngineConfig, resolve_device, resolve_dtype
-from picovllm.engine.block_manager import BlockManager
+from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve_limits, resolve_max_model_len
 from picovllm.engine.detokenizer import Detokenizer
+from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
 from picovllm.engine.model_runner import ModelRunner
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import SamplerOutput, to_device
@@ -31,9 +29,6 @@ from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("picovllm")
 
-PromptType = str | dict | list[int]
-
-_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _MAX_SEED = 2**63 - 1
 
 
@@ -66,60 +61,6 @@ class _Group:
     children: list[Request]
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many kinds; the user needs to know which model
-        raise ValueError(f"could not load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True "
-                         "to run on token ids only") from e
-
-
-def process_prompt(prompt: PromptType, params: SamplingParams, tokenizer, vocab_size: int,
-                   max_model_len: int) -> tuple[str | None, list[int]]:
-    """Validate a prompt (string, token ids or {"prompt_token_ids"/"prompt": ...}) against a
-    model (its tokenizer, vocabulary and context) and params; return its text and token ids.
-    Raises ValueError. Needs no model weights: a server's front end runs it."""
-    if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-        if unknown or not prompt:
-            raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer (the engine was started without one)")
-        text, ids = prompt, tokenizer.encode(prompt)
-    elif isinstance(prompt, (list, tuple)):
-        text, ids, vocab = None, list(prompt), vocab_size
-        # The common case checked in C: array() takes integers only (anything with __index__),
-        # numpy its range: 75 us for a 2,000-token prompt, against 170 for set(map(type)), min()
-        # and max(), and ~10x that for a Python loop; the first offender is looked for only when
-        # there is one.
-        try:
-            ok = not ids or 0 <= (a := np.frombuffer(array.array("q", ids), dtype=np.int64)).min() <= a.max() < vocab
-        except (TypeError, OverflowError):
-            ok = False
-        if not ok:
-            bad = next(t for t in ids if not hasattr(t, "__index__") or not 0 <= t < vocab)
-            raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
-    else:
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-    if not ids:
-        raise ValueError("the prompt is empty")
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
-                         "which leaves no room to generate")
-    if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                         f"max_model_len ({max_model_len})")
-    if params.stop and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer (the engine was started without one)")
-    return text, ids
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -127,57 +68,20 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_config, path = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype)
-        self.tokenizer = self.tokenizer_source = None  # (where it was loaded from: a server's front end loads it too)
-        if path is not None and not config.skip_tokenizer_init:
-            self.tokenizer_source = config.tokenizer or path
-            self.tokenizer = load_tokenizer(self.tokenizer_source)
+        self.tokenizer_source = tokenizer_source(config, path)  # (a server's HTTP process loads it too)
+        self.tokenizer = load_tokenizer(self.tokenizer_source) if self.tokenizer_source else None
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         torch.manual_seed(config.seed)
 
-        max_position = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > max_position:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {max_position}")
-        max_model_len = config.max_model_len or max_position
+        max_model_len = resolve_max_model_len(config, self.model_config)
         self.model_runner = ModelRunner(config, self.model_config, path, self.dtype, self.device,
                                         max_model_len, self.eos_token_ids)
         num_blocks = self.model_runner.num_kv_blocks(config)
-        capacity = num_blocks * config.block_size
-        if max_model_len > capacity:
-            if config.max_model_len is not None:
-                raise ValueError(f"max_model_len {max_model_len} needs more KV cache than the pool holds "
-                                 f"({num_blocks} blocks = {capacity} tokens); lower max_model_len or give "
-                                 "the KV cache more memory")
-            logger.warning("max_model_len lowered from %d to %d, what the KV cache holds", max_model_len, capacity)
-            max_model_len = capacity
-        self.max_model_len = max_model_len
-        default_budget = _DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if not config.enable_chunked_prefill:  # a prompt must fit one step
-            default_budget = max(default_budget, max_model_len)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
-        if not config.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({max_model_len}) without chunked prefill: prompts are prefilled in one step")
-        if self.max_num_batched_tokens < config.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({config.max_num_seqs}): every running request decodes a token per step")
-
-        attn = self.model_runner.model.attention_layers()[0]
-        block_bytes = self.model_runner.kv_block_bytes()
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.model_config.num_hidden_layers,
-                                          attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
-        self.model_runner.bind_kv_cache(self.block_manager)
-        self.graph_capture_s = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            if triton_utils.ENABLED and triton_utils.HAS_TRITON:
-                mixed_tokens = min(config.mixed_graph_tokens, self.max_num_batched_tokens)
-                self.graph_capture_s = self.model_runner.capture_graphs(config.max_num_seqs, max_model_len,
-                                                                        mixed_tokens)
-            else:  # the PyTorch reference path syncs (nonzero, data-dependent shapes): not capturable
-                logger.warning("CUDA graphs need the Triton kernels (disabled or missing): running eager")
+        self.max_model_len, self.max_num_batched_tokens = resolve_limits(config, max_model_len,
+                                                                         num_blocks * config.block_size)
+        self.block_manager = self.model_runner.allocate_kv_cache(num_blocks)
+        self.graph_capture_s = self._capture_graphs()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.enable_chunked_prefill)
         self.groups: dict[str, _Group] = {}
@@ -188,8 +92,17 @@ class LLMEngine:
         self.num_launched_ahead = self.num_dropped_ahead = 0  # steps launched ahead; tokens they computed in vain
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, config.block_size,
-                    num_blocks * block_bytes / (1 << 30), self.device)
+
+    def _capture_graphs(self) -> float | None:
+        """CUDA graphs on a GPU unless enforce_eager (seconds of capture; None: none)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if not (triton_utils.ENABLED and triton_utils.HAS_TRITON):
+            # the PyTorch reference path syncs (nonzero, data-dependent shapes): not capturable
+            logger.warning("CUDA graphs need the Triton kernels (disabled or missing): running eager")
+            return None
+        mixed_tokens = min(self.config.mixed_graph_tokens, self.max_num_batched_tokens)
+        return self.model_runner.capture_graphs(self.config.max_num_seqs, self.max_model_len, mixed_tokens)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> LLMEngine:

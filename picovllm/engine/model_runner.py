@@ -3,6 +3,8 @@ serves the step), the sampler. The sampled tokens come back to the host in one t
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -15,6 +17,8 @@ from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
 from picovllm.engine.scheduler import ScheduledBatch
 from picovllm.kernels.prefill_attention import num_work_items
 from picovllm.model.loader.model_loader import load_model
+
+logger = logging.getLogger("picovllm")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 
@@ -59,9 +63,16 @@ class ModelRunner:
                              "gpu_memory_utilization / kv_cache_memory")
         return blocks
 
-    def bind_kv_cache(self, block_manager: BlockManager) -> None:
-        for attn, (k, v) in zip(self.model.attention_layers(), block_manager.layer_caches()):
+    def allocate_kv_cache(self, num_blocks: int) -> BlockManager:
+        """The KV pool of num_blocks blocks, bound to the model's attention layers."""
+        layers = self.model.attention_layers()
+        block_manager = BlockManager(num_blocks, self.block_size, len(layers), layers[0].num_kv_heads,
+                                     layers[0].head_dim, self.dtype, self.device)
+        for attn, (k, v) in zip(layers, block_manager.layer_caches(), strict=True):
             attn.k_cache, attn.v_cache = k, v
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, self.block_size,
+                    num_blocks * self.kv_block_bytes() / (1 << 30), self.device)
+        return block_manager
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int = 0) -> float:
         """Capture CUDA graphs (after the KV cache is bound: graphs keep its addresses): decode,

@@ -21,7 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from picovllm.engine.llm_engine import LLMEngine, PromptType, load_tokenizer, process_prompt
+from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
+from picovllm.engine.llm_engine import LLMEngine
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -1,5 +1,5 @@
-from torch import nn
 import torch
+from torch import nn
 
 from picovllm.kernels.rms_norm import rms_norm
 

@@ -11,8 +11,8 @@ from safetensors import safe_open
 from torch import nn
 
 from picovllm.config import ModelConfig
-from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS, ensure_builtin, ensure_gguf
 from picovllm.model.layers.linear import default_weight_loader
+from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS, ensure_builtin, ensure_gguf
 from picovllm.model.registry import MODEL_REGISTRY
 
 

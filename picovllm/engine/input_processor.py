@@ -1,0 +1,83 @@
+"""From a user's prompt to validated token ids, before the engine sees it: the tokenizer, the
+prompt's checks against the model (vocabulary, context) and the sampling parameters. Needs no
+model weights: the server's HTTP process and the CLI run it before (or without) the engine.
+"""
+from __future__ import annotations
+
+import array
+
+import numpy as np
+
+from picovllm.config import EngineConfig, ModelConfig
+from picovllm.sampling_params import SamplingParams
+
+PromptType = str | dict | list[int]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many kinds; the user needs to know which model
+        raise ValueError(f"could not load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True "
+                         "to run on token ids only") from e
+
+
+def process_prompt(prompt: PromptType, params: SamplingParams, tokenizer, vocab_size: int,
+                   max_model_len: int) -> tuple[str | None, list[int]]:
+    """Validate a prompt (string, token ids or {"prompt_token_ids"/"prompt": ...}) against a
+    model (its tokenizer, vocabulary and context) and params; return its text and token ids.
+    Raises ValueError. Needs no model weights: a server's front end runs it."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or not prompt:
+            raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer (the engine was started without one)")
+        text, ids = prompt, tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        text, ids, vocab = None, list(prompt), vocab_size
+        # The common case checked in C: array() takes integers only (anything with __index__),
+        # numpy its range: 75 us for a 2,000-token prompt, against 170 for set(map(type)), min()
+        # and max(), and ~10x that for a Python loop; the first offender is looked for only when
+        # there is one.
+        try:
+            ok = not ids or 0 <= (a := np.frombuffer(array.array("q", ids), dtype=np.int64)).min() <= a.max() < vocab
+        except (TypeError, OverflowError):
+            ok = False
+        if not ok:
+            bad = next(t for t in ids if not hasattr(t, "__index__") or not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
+    else:
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
+                         "which leaves no room to generate")
+    if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len ({max_model_len})")
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer (the engine was started without one)")
+    return text, ids
+
+
+def tokenizer_source(config: EngineConfig, model_path: str | None) -> str | None:
+    """Where the engine's tokenizer comes from (None: it runs on token ids only)."""
+    if model_path is None or config.skip_tokenizer_init:
+        return None
+    return config.tokenizer or model_path
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> set[int]:
+    """The model's end-of-sequence ids: its config's, and its tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
