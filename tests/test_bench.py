@@ -62,87 +62,10 @@ def test_forward_flops_counts_weights_attention_and_one_lm_head_row(tiny_qwen):
     assert forward_flops(model, 1, 0) == 2 * c.num_hidden_layers * per_layer + 4 * q * c.num_hidden_layers + head
 
 
-def test_late_tokens_are_attributed_to_their_client_process():
-    """An interval is late over late_ms; it is put down to its own client process when that
-    process started or finished another request within the 4 ms before the token arrived."""
-    from picovllm.bench.serve import _late_tokens
+def test_serve_step_intervals_leave_idle_gaps_out():
+    from picovllm.bench.serve import _busy_gaps, _stats
 
-    # client 0: request a (start 10.0) gets tokens at 10.1, 10.103, 10.110 (late), 10.113;
-    # request b of the same process ends at 10.108, 2 ms before a's late token
-    a = {"client": 0, "start": 10.0, "ttft": 0.1, "itl": [0.003, 0.007, 0.003], "e2e": 0.2}
-    b = {"client": 0, "start": 9.9, "ttft": 0.05, "itl": [], "e2e": 0.208}
-    # client 1: request c's late token (10.2 -> 10.21) has no event of its own process near it,
-    # though client 0's request b ended at 10.108... and a's start is 10.0: neither in 4 ms
-    c = {"client": 1, "start": 10.15, "ttft": 0.05, "itl": [0.01, 0.003], "e2e": 0.1}
-    assert _late_tokens([a, b, c], late_ms=5) == {"late_ms": 5, "late": 2, "late_near_client_request": 1,
-                                                  "late_in_one_client_only": 2}
-    # c's late token arrives at 10.21: another request of its process starting 3 ms before counts;
-    # one starting after it, or more than 4 ms before, does not
-    near = {"client": 1, "start": 10.207, "ttft": 0.01, "itl": [], "e2e": 0.02}
-    after = {"client": 1, "start": 10.2105, "ttft": 0.01, "itl": [], "e2e": 0.02}
-    early = {"client": 1, "start": 10.2055, "ttft": 0.001, "itl": [], "e2e": 0.002}  # (ends at 10.2075: counts)
-    too_early = {"client": 1, "start": 10.2, "ttft": 0.001, "itl": [], "e2e": 0.003}  # ends at 10.203
-    assert [_late_tokens([c, x], late_ms=5)["late_near_client_request"] for x in (near, after, early, too_early)] \
-        == [1, 0, 1, 0]
-
-
-def test_slow_engine_steps_and_their_longest_run():
-    """Step intervals over 1.5x the median are slow; runs of them in a row tell a slowed machine
-    from single stalls; gaps of 0.25 s or more (the engine idle) are not steps."""
-    from picovllm.bench.serve import _slow_steps
-
-    gaps = [0.002, 0.002, 0.004, 0.002, 0.0031, 0.0035, 0.0032, 0.002, 0.3, 0.002, 0.0029, 0.002, 0.002, 0.002]
-    times = [0.0, *np.cumsum(gaps)]
-    # median of the 13 steps: 0.002 (0.3 s left out); over 0.003: 0.004, then 0.0031, 0.0035, 0.0032 in a row
-    assert _slow_steps(times) == {"slow": 4, "steps": 13, "longest_run": 3}
-    assert _slow_steps([1.0]) == {"slow": 0, "steps": 0, "longest_run": 0}
-
-
-def test_late_outputs_split_into_engine_late_and_late_on_the_way():
-    """A step delivered over 1.5x the median interval after the one before is late; it is the
-    engine process's when that process also sent it late; idle gaps are no steps."""
-    from picovllm.bench.serve import _late_outputs
-
-    sent = [0.0, 0.002, 0.004, 0.009, 0.011, 0.013, 0.015, 0.5, 0.502]
-    delivered = [0.0003, 0.0023, 0.0043, 0.0093, 0.0113, 0.0163, 0.0173, 0.5003, 0.5023]
-    outputs = [64, 64, 64, 60, 64, 62, 64, 8, 8]
-    # delivery gaps 2, 2, 5 (late: the engine sent it 5 ms after the last), 2, 5 (late on the way),
-    # 1, (idle), 2 ms: median 2
-    assert _late_outputs(sent, delivered, outputs) == {"outputs": 64 + 64 + 60 + 64 + 62 + 64 + 8, "late": 60 + 62,
-                                                       "engine_late": 60}
-    assert _late_outputs([0.0], [0.001], [3]) == {"outputs": 0, "late": 0, "engine_late": 0}
-
-
-def test_late_tokens_in_one_client_only_unless_another_process_is_late_with_them():
-    """A late token is late in its client process alone when no other process has a late token
-    within 2 ms of it (a late server step reaches every process's streams together)."""
-    from picovllm.bench.serve import _late_tokens
-
-    def req(client, itl):  # one request of a client process, first token at 1.0
-        return {"client": client, "start": 0.9, "ttft": 0.1, "itl": itl, "e2e": 0.5}
-
-    # late tokens at 1.010 (client 0), 1.0115 (client 1: 1.5 ms apart, together), 1.030 and
-    # 1.0325 (client 0 and client 2: 2.5 ms apart, alone), 1.050 (two streams of client 0: alone)
-    reqs = [req(0, [0.010, 0.002, 0.018]), req(1, [0.0115]), req(2, [0.0325]), req(0, [0.05]), req(0, [0.05])]
-    late = _late_tokens(reqs, late_ms=5)
-    assert (late["late"], late["late_in_one_client_only"]) == (6, 4)
-    assert _late_tokens([req(0, [0.01])], late_ms=5)["late_in_one_client_only"] == 1
-
-
-def test_gc_pauses_counts_each_generation_while_started():
-    import gc
-
-    from picovllm.entrypoints.openai.async_engine import GCPauses
-
-    pauses = GCPauses().start()
-    try:
-        for generation in (0, 1, 1, 2):
-            gc.collect(generation)
-    finally:
-        pauses.stop()
-    # (automatic collections may add to these counts)
-    assert all(n >= least for (n, _, _), least in zip(pauses.stats, (1, 2, 1))), pauses.stats
-    assert all(0 < longest <= total for _, total, longest in pauses.stats)
-    before = [list(s) for s in pauses.stats]
-    gc.collect()
-    assert pauses.stats == before  # stopped: nothing more recorded
+    gaps = _busy_gaps([0.0, 0.001, 0.003, 1.0, 1.002])  # the 0.997 s gap: the engine waited for requests
+    assert np.allclose(gaps, [0.001, 0.002, 0.002])
+    stats = _stats(gaps.tolist())
+    assert abs(stats["p50"] - 2.0) < 1e-9 and abs(stats["mean"] - 5 / 3) < 1e-9 and _stats([]) == {}

@@ -100,6 +100,19 @@ def test_n_seed_and_logprobs(client):
     assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy: the top token
 
 
+def test_streamed_n_completions_end_once_each_and_equal_the_non_streamed(client):
+    """n=2, seeded: each choice's stream joins to its non-streamed text, and ends with exactly one
+    chunk carrying its finish_reason (the engine reports every completion of the request each step)."""
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=1.0, n=2, seed=5, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    for choice in full.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+        assert mine[-1].finish_reason is not None
+
+
 def test_models_health_tokenize(server):
     url = server[0]
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -214,24 +227,7 @@ def test_serving_benchmark(server, tmp_path):
     assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
     # the engine stepped at least once per output token of a request, and is unwrapped again
     assert len(probe.starts) >= 6 and summary["engine_step_ms"]["p99"] >= summary["engine_step_ms"]["p50"] > 0
-    assert engine.on_step == on_step and set(summary["gc_pauses"]) == {"gen0", "gen1", "gen2"}
-    if server[1] is None:  # the engine in its own process: its collector's pauses too, counted over the run
-        assert set(summary["engine_gc_pauses"]) == {"gen0", "gen1", "gen2"}
-        assert all(p["max_ms"] <= p["total_ms"] or p["count"] == 0 for p in summary["engine_gc_pauses"].values())
-        # its own step intervals, and each step's way to the server: after it was sent, never before
-        assert summary["engine_process_step_ms"]["p50"] > 0 and len(probe.sent) == len(probe.starts)
-        assert all(sent < got for sent, got in zip(probe.sent, probe.starts))
-        slow = summary["engine_process_slow_steps"]
-        assert slow["steps"] == len(probe.sent) - 1 - sum(b - a >= 0.25 for a, b in zip(probe.sent, probe.sent[1:]))
-        assert 0 <= slow["longest_run"] <= slow["slow"] <= slow["steps"]
-        assert set(summary["preemptions"]) == {"server", "engine"}
-        late = summary["late_outputs"]  # of 12 requests x 6 tokens
-        assert 0 <= late["engine_late"] <= late["late"] <= late["outputs"] <= sum(probe.streams[1:]) <= 72
-        assert late["outputs"] > 0 and len(probe.streams) == len(probe.starts)
-    else:
-        assert set(summary["preemptions"]) == {"server"}
-    assert all(n >= 0 for n in summary["preemptions"].values())
-    assert set(summary["client_gc_pauses"]) == {"gen0", "gen1", "gen2"} and summary["client_involuntary_switches"] >= 0
+    assert engine.on_step == on_step
     cpu = summary["cpu_ms_per_step"]
     assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0
     assert (tmp_path / "serve_latency.png").exists()
@@ -301,12 +297,12 @@ def test_sse_event_templates_serialise_as_json_dumps():
     json.dumps of the chunk gives, for text that JSON must escape, per choice index."""
     import json
 
-    from picovllm.entrypoints.openai.server import _EventTemplates
+    from picovllm.entrypoints.openai.serving import EventTemplates
 
     def chunk(index, text):
         return {"id": "cmpl-1", "model": 'm"\x00', "choices": [{"index": index, "text": text, "logprobs": None}]}
 
-    templates = _EventTemplates(chunk)
+    templates = EventTemplates(chunk)
     for index, text in [(0, "ab"), (0, 'quote " back \\ nl \n'), (1, "é😀\x00\u2028"), (0, "")]:
         assert templates.event(index, text) == f"data: {json.dumps(chunk(index, text))}\n\n"
     assert sorted(templates.parts) == [0, 1]

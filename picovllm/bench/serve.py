@@ -9,14 +9,11 @@ per-request timings and a plot.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
 import functools
 import json
 import multiprocessing
 import os
 import random
-import resource
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -79,57 +76,18 @@ async def _drive(url: str, headers: dict, prompts: list[list[int]], output_len: 
         return await asyncio.gather(*tasks)
 
 
-def _client_process(args: tuple) -> tuple[list[dict], float, list[list], int]:
+def _client_process(args: tuple) -> tuple[list[dict], float]:
     """One client process: waits for the common start instant (wall clock), drives its share of
-    the clients; returns their results, its end instant, its garbage collector's pauses over the
-    run (GCPauses.stats) and how often the OS took its CPU away (involuntary context switches).
-    Its start-up heap (it imports the package, torch included) is frozen first, as the server's
-    is: a collection that walked it would hold all of this process's streams at once."""
-    from picovllm.entrypoints.openai.async_engine import GCPauses, frozen_heap
+    the clients; returns their results and its end instant. Its start-up heap (it imports the
+    package, torch included) is frozen first, as the server's is: a collection that walked it
+    would hold all of this process's streams at once."""
+    from picovllm.entrypoints.openai.async_engine import frozen_heap
 
-    start_at, client, *drive_args = args
+    start_at, *drive_args = args
     with frozen_heap():
         time.sleep(max(0.0, start_at - time.time()))
-        switches, pauses = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw, GCPauses().start()
         results = asyncio.run(_drive(*drive_args))
-        pauses.stop()
-        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - switches
-    for r in results:
-        r["client"] = client
-    return results, time.time(), pauses.stats, switches
-
-
-def _late_tokens(ok: list[dict], late_ms: float, window_s: float = 0.004, together_s: float = 0.002) -> dict:
-    """Inter-token intervals over late_ms; how many of them ended within window_s after their own
-    client process started or finished another request (while a process does that, its other
-    streams' tokens wait in it); and how many were late in their client process alone: no other
-    process had a late token within together_s of it. A late step of the server reaches every
-    process's streams at once; a stall of one client process only its own."""
-    events: dict[int, list[float]] = {}
-    for r in ok:
-        events.setdefault(r["client"], []).extend((r["start"], r["start"] + r["e2e"]))
-    events = {c: np.sort(e) for c, e in events.items()}
-    slow_at: dict[int, list[np.ndarray]] = {}
-    late = near = 0
-    for r in ok:
-        arrivals = r["start"] + r["ttft"] + np.cumsum(r["itl"])
-        slow = arrivals[np.asarray(r["itl"]) * 1e3 > late_ms]
-        ev = events[r["client"]]
-        before = ev[np.maximum(np.searchsorted(ev, slow) - 1, 0)]
-        late += len(slow)
-        near += int(((slow - before < window_s) & (before <= slow)).sum())
-        slow_at.setdefault(r["client"], []).append(slow)
-    slow_at = {c: np.concatenate(a) for c, a in slow_at.items()}
-    alone = 0
-    for c, times in slow_at.items():
-        others = np.sort(np.concatenate([np.empty(0)] + [t for o, t in slow_at.items() if o != c]))
-        if len(others) == 0:
-            alone += len(times)
-            continue
-        i = np.searchsorted(others, times)
-        nearest = np.minimum(np.abs(times - others[np.maximum(i - 1, 0)]), np.abs(others[np.minimum(i, len(others) - 1)] - times))
-        alone += int((nearest > together_s).sum())
-    return {"late_ms": late_ms, "late": late, "late_near_client_request": near, "late_in_one_client_only": alone}
+    return results, time.time()
 
 
 def _thread_cpu_s(thread: threading.Thread) -> float:
@@ -145,65 +103,18 @@ def _process_cpu_s(pid: int) -> float:
 IDLE_GAP_S = 0.25  # an interval between steps this long or longer: the engine was idle, waiting for requests
 
 
-def _process_preemptions(pid: int) -> int:
-    """How often the OS has taken the CPU away from the process's threads (involuntary context
-    switches, summed over its threads: /proc's process line counts only the first)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:  # (OSError: the thread ended)
-            total += sum(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
-    return total
-
-
-def _late_outputs(sent: list[float], delivered: list[float], outputs: list[int]) -> dict:
-    """Request outputs (about one token each) whose step was delivered over 1.5x the median
-    interval after the step before, and how many of those steps the engine process had already
-    sent late (over 1.5x the median of its own intervals); the rest were held up on the way (the
-    pipe, the HTTP process's event loop). Gaps of IDLE_GAP_S or more are left out."""
-    sent, delivered, n = np.asarray(sent), np.asarray(delivered), np.asarray(outputs[1:])
-    gaps, sent_gaps = np.diff(delivered), np.diff(sent)
-    busy = gaps < IDLE_GAP_S
-    if not busy.any():
-        return {"outputs": 0, "late": 0, "engine_late": 0}
-    late = busy & (gaps > 1.5 * np.median(gaps[busy]))
-    engine_late = late & (sent_gaps > 1.5 * np.median(sent_gaps[busy]))
-    return {"outputs": int(n[busy].sum()), "late": int(n[late].sum()), "engine_late": int(n[engine_late].sum())}
-
-
-def _slow_steps(times: list[float]) -> dict:
-    """Step intervals over 1.5x the median, and the longest run of them in a row: one stall (a
-    collection, a page fault) makes one slow step, a busy or slowed machine a run of them."""
-    gaps = _busy_gaps(times)
-    slow = gaps > 1.5 * np.median(gaps) if len(gaps) else np.zeros(0, dtype=bool)
-    longest = run = 0
-    for s in slow:
-        run = run + 1 if s else 0
-        longest = max(longest, run)
-    return {"slow": int(slow.sum()), "steps": len(gaps), "longest_run": longest}
-
-
 class EngineProbe:
     """With the server in this process: the intervals between the engine's steps as the server
-    sees them (on_step of an AsyncEngine or EngineProcess), the CPU time per step of the engine
-    (its thread, or its process) and of the HTTP thread, and the garbage collector's pauses here
-    (and in the engine's process, when it has one): to tell engine-side stalls from HTTP-side
+    sees them (through the engine's on_step hook), and the CPU time per step of the engine (its
+    thread, or its process) and of the HTTP thread: to tell engine-side stalls from HTTP-side
     ones in the ITL."""
 
     def __init__(self, engine):
-        from picovllm.entrypoints.openai.async_engine import GCPauses
-
         self.starts: list[float] = []
-        self.sent: list[float] = []  # (an EngineProcess's) when its process sent each step
-        self.streams: list[int] = []  # the requests each step had output for
-        self._gc = GCPauses().start()
-        self._engine_gc = copy.deepcopy(getattr(engine, "gc_pauses", None))  # (an EngineProcess's, so far)
         self._engine, self._inner = engine, engine.on_step
 
         def on_step(e, outputs):
             self.starts.append(time.perf_counter())
-            self.streams.append(len(outputs))
-            if hasattr(e, "step_sent_at"):
-                self.sent.append(e.step_sent_at)
             if self._inner is not None:
                 self._inner(e, outputs)
 
@@ -211,62 +122,24 @@ class EngineProbe:
         names = ("picovllm-engine", "picovllm-http")
         self._clocks = {t.name.removeprefix("picovllm-"): functools.partial(_thread_cpu_s, t)
                         for t in threading.enumerate() if t.name in names}
-        self._pids = {"server": os.getpid()}
         if getattr(engine, "pid", None) is not None:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
-            self._pids["engine"] = engine.pid
-        self._preempted = {k: _process_preemptions(pid) for k, pid in self._pids.items()}
         self._cpu = {k: clock() for k, clock in self._clocks.items()}
 
     def report(self) -> dict:
         """Stops probing (the engine's own on_step again) and returns the figures."""
-        self._gc.stop()
         self._engine.on_step = self._inner
-        steps = _step_intervals(self.starts)
-        pauses = _gc_summary(self._gc.stats)
+        steps = _stats(_busy_gaps(self.starts).tolist())
         cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
-        line = (f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
-                + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
-                + "; gc pauses: " + _gc_line(pauses))
-        out = {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "gc_pauses": pauses,
-               "preemptions": {k: _process_preemptions(pid) - self._preempted[k] for k, pid in self._pids.items()}}
-        line += "; the OS preempted: " + ", ".join(f"{k} process {n}x" for k, n in out["preemptions"].items())
-        engine_gc = getattr(self._engine, "gc_pauses", None)
-        if engine_gc is not None:  # counts and totals over the run; the longest since the engine started
-            before = self._engine_gc or [[0, 0.0, 0.0]] * 3
-            out["engine_gc_pauses"] = _gc_summary([[n - b[0], t - b[1], m] for (n, t, m), b in zip(engine_gc, before)])
-            line += "; in the engine process: " + _gc_line(out["engine_gc_pauses"]) + " (max: since its start)"
-        if self.sent:  # late in the engine process, or on the way (pipe, the HTTP thread's loop)?
-            out["engine_process_step_ms"] = _step_intervals(self.sent)
-            out["engine_to_server_ms"] = _stats((np.asarray(self.starts) - np.asarray(self.sent)).tolist())
-            out["engine_process_slow_steps"] = slow = _slow_steps(self.sent)
-            out["late_outputs"] = late = _late_outputs(self.sent, self.starts, self.streams)
-            line += ("\nthe engine process's step interval (ms, as it sends): " + _stats_line(out["engine_process_step_ms"])
-                     + f" ({slow['slow']} of {slow['steps']} over 1.5x its median, at most {slow['longest_run']} in a row)"
-                     + "; from its send to the steps' delivery here: " + _stats_line(out["engine_to_server_ms"])
-                     + f"\nrequest outputs delivered over 1.5x the median step after the last: {late['late']} of "
-                     f"{late['outputs']}, {late['engine_late']} of them from steps late in the engine process")
-        print(line)
-        return out
+        print(f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+        return {"engine_step_ms": steps, "cpu_ms_per_step": cpu}
 
 
 def _busy_gaps(times: list[float]) -> np.ndarray:
     """The intervals between steps, those of IDLE_GAP_S or more left out."""
     gaps = np.diff(times)
     return gaps[gaps < IDLE_GAP_S]
-
-
-def _step_intervals(times: list[float]) -> dict:
-    return _stats(_busy_gaps(times).tolist())
-
-
-def _gc_summary(stats: list[list]) -> dict:
-    return {f"gen{g}": {"count": n, "total_ms": 1e3 * total, "max_ms": 1e3 * longest}
-            for g, (n, total, longest) in enumerate(stats)}
-
-
-def _gc_line(pauses: dict) -> str:
-    return ", ".join(f"{g} {p['count']} (max {p['max_ms']:.1f} ms)" for g, p in pauses.items())
 
 
 def _stats_line(stats: dict) -> str:
@@ -295,16 +168,14 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
         client_processes = min(8, max(1, (os.cpu_count() or 2) // 2))
     procs = max(1, min(client_processes, concurrency))
     start_at = time.time() + 3.0  # after every process has started and imported its modules
-    shards = [(start_at, i, url, headers, prompts[i::procs], output_len, concurrency // procs + (i < concurrency % procs),
+    shards = [(start_at, url, headers, prompts[i::procs], output_len, concurrency // procs + (i < concurrency % procs),
                request_rate / procs, model, seed + i) for i in range(procs)]
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = list(pool.map(_client_process, shards))
     if probe is not None:
         probed = probe.report()
-    results = [r for shard, *_ in done for r in shard]
-    elapsed = max(end for _, end, *_ in done) - start_at
-    client_gc = [[sum(d[2][g][0] for d in done), sum(d[2][g][1] for d in done), max(d[2][g][2] for d in done)]
-                 for g in range(3)]
+    results = [r for shard, _ in done for r in shard]
+    elapsed = max(end for _, end in done) - start_at
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_len"] for r in ok)
     summary = {"requests": len(results), "failed": len(results) - len(ok), "seconds": elapsed,
@@ -313,24 +184,13 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
                "concurrency": concurrency, "request_rate": request_rate, "input_len": input_len,
                "output_len": output_len,
                "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
-               "itl_ms": _stats([x for r in ok for x in r["itl"]]), **(probed if probe is not None else {}),
-               "client_gc_pauses": _gc_summary(client_gc), "client_involuntary_switches": sum(d[3] for d in done)}
-    if summary["itl_ms"]:
-        summary["late_tokens"] = _late_tokens(ok, 1.5 * summary["itl_ms"]["p50"])
+               "itl_ms": _stats([x for r in ok for x in r["itl"]]), **(probed if probe is not None else {})}
     rows = [{"metric": name, **summary[key]} for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
                                                                ("ITL", "itl_ms")) if summary[key]]
     print(f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
           f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s")
     print_table(rows, [("metric", "ms", ""), ("mean", "mean", ".2f"), ("p50", "p50", ".2f"), ("p90", "p90", ".2f"),
                        ("p99", "p99", ".2f")])
-    if "late_tokens" in summary:
-        late, intervals = summary["late_tokens"], sum(len(r["itl"]) for r in ok)
-        print(f"inter-token intervals over 1.5x the median ({late['late_ms']:.2f} ms): {late['late']} of {intervals} "
-              f"({late['late'] / max(intervals, 1):.2%}), {late['late_near_client_request']} of them within 4 ms after "
-              f"their client process started or finished a request, {late['late_in_one_client_only']} late in one "
-              f"client process only")
-    print(f"client processes ({procs}): gc pauses {_gc_line(summary['client_gc_pauses'])}, "
-          f"{summary['client_involuntary_switches']} involuntary context switches")
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
         with open(os.path.join(save_dir, "serve_results.json"), "w") as f:

@@ -6,6 +6,9 @@ token by token in Rust with its DecodeStream, primed with the prompt's last toke
 spacing: about 2 us a token on this project's CPU, against 9 us for the windowed decoding that
 other tokenizers use (two `decode` calls over the newest tokens per step). At the end, text still
 held back (an incomplete character) is decoded as a whole `decode` would show it.
+
+Text that a stop string found later could still cut off is not final (final_text_len): streams
+send only final text, so that what a client has seen is never taken back.
 """
 from __future__ import annotations
 
@@ -78,6 +81,22 @@ class Detokenizer:
         old_len = len(req.output_text)
         req.output_text += new_text
         return self._check_stop(req, old_len)
+
+    @staticmethod
+    def final_text_len(req: Request) -> int:
+        """How much of req.output_text is final: all of it once req has finished; otherwise all
+        but the longest tail that is the start of one of its stop strings (a later match can only
+        begin there)."""
+        text = req.output_text
+        if req.is_finished or not req.params.stop:
+            return len(text)
+        hold = 0
+        for stop in req.params.stop:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return len(text) - hold
 
     @staticmethod
     def _check_stop(req: Request, old_len: int) -> str | None:

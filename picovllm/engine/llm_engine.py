@@ -316,15 +316,11 @@ class LLMEngine:
     @staticmethod
     def _take_delta(r: Request) -> tuple[list[int], str, list | None]:
         """The tokens, text and logprobs r generated since its last output (RequestOutputKind.DELTA),
-        marked as sent. Text that a stop string found later could still cut off (the last
-        len(longest stop) - 1 characters: a match starts at most that far back in the text before
-        the step) stays back until r finishes, so that text sent is final."""
+        marked as sent. Only final text is sent (Detokenizer.final_text_len)."""
         tokens = r.token_ids[r.num_prompt_tokens + r.num_output_sent:]
         logprobs = None if r.logprobs is None else r.logprobs[r.num_output_sent:]
         r.num_output_sent += len(tokens)
-        end = len(r.output_text)
-        if r.params.stop and not r.is_finished:
-            end = max(r.text_sent, end - max(map(len, r.params.stop)) + 1)
+        end = max(r.text_sent, Detokenizer.final_text_len(r))
         text, r.text_sent = r.output_text[r.text_sent:end], end
         return tokens, text, logprobs
 

@@ -1,12 +1,13 @@
 """The engine in the background, for asyncio servers: on a thread of this process (AsyncEngine),
 or in a process of its own (EngineProcess, the server's default; vLLM's engine core runs apart
 for the same reason): the engine's host work and the HTTP thread's streaming then do not take
-turns on one GIL.
+turns on one GIL. Both run the same command loop (engine_loop).
 
 Both validate prompts off the event loop, take requests and aborts from HTTP handlers, deliver
-each request's RequestOutputs on an asyncio queue (loop.call_soon_threadsafe, once per step for
-all the streams of a loop), abort a request whose consumer stops early, and call
-on_step(self, outputs) after each step (metrics; get_metrics() is the engine's).
+each request's RequestOutputs (RequestOutputKind.DELTA: what each step added) on an asyncio
+queue (loop.call_soon_threadsafe, once per step for all the streams of a loop), abort a request
+whose consumer stops early, and call on_step(self, outputs) after each step (metrics;
+get_metrics() is the engine's).
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ import multiprocessing
 import queue
 import signal
 import threading
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
@@ -26,12 +26,14 @@ from picovllm.engine.llm_engine import LLMEngine
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
+# Commands to the engine: ("add", request_id, text, token_ids, params), ("abort", request_id), STOP.
+STOP = ("stop",)
+
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.perf_counter)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
@@ -59,29 +61,28 @@ def frozen_heap():
         gc.unfreeze()
 
 
-class GCPauses:
-    """The pauses of Python's garbage collector in this process while started: per generation,
-    [collections, total seconds, longest seconds] (stats). The engine process sends its own with
-    every step (EngineProcess.gc_pauses), so that a benchmark can tell the engine's stalls from
-    the server's."""
-
-    def __init__(self):
-        self.stats = [[0, 0.0, 0.0] for _ in range(3)]
-        self._began = 0.0
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            took, s = time.perf_counter() - self._began, self.stats[info["generation"]]
-            s[0], s[1], s[2] = s[0] + 1, s[1] + took, max(s[2], took)
-
-    def start(self) -> GCPauses:
-        gc.callbacks.append(self._on_gc)
-        return self
-
-    def stop(self) -> None:
-        gc.callbacks.remove(self._on_gc)
+def engine_loop(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
+                publish: Callable[[list[RequestOutput]], None]) -> None:
+    """Apply commands and step while anything is unfinished, publishing each step's outputs
+    (and, when idle, an empty list: the metrics after aborts that left nothing to step).
+    next_command(block) returns the next command, or None when there is none and block is
+    False; it blocks only while the engine is idle. Returns at STOP. Requests come in as DELTA
+    outputs."""
+    while True:
+        idle = not engine.has_unfinished_requests()
+        if idle:
+            publish([])
+        while (cmd := next_command(idle)) is not None:
+            if cmd == STOP:
+                return
+            if cmd[0] == "add":
+                _, rid, text, ids, params = cmd
+                engine.add_validated_request(rid, text, ids, replace(params, output_kind=RequestOutputKind.DELTA))
+            else:
+                engine.abort_request(cmd[1])
+            idle = False
+        if engine.has_unfinished_requests():
+            publish(engine.step())
 
 
 class _Background:
@@ -155,8 +156,7 @@ class _Background:
 
 
 class AsyncEngine(_Background):
-    """The engine on a thread of this process: it steps while anything is unfinished and sleeps
-    on an event otherwise; commands reach it through a thread-safe queue."""
+    """The engine on a thread of this process; commands reach it through a thread-safe queue."""
 
     def __init__(self, engine: LLMEngine, on_step=None):
         super().__init__(on_step)
@@ -164,8 +164,6 @@ class AsyncEngine(_Background):
         self.tokenizer = engine.tokenizer
         self.vocab_size, self.max_model_len = engine.model_config.vocab_size, engine.max_model_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = False
         self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
         self._thread.start()
 
@@ -174,59 +172,38 @@ class AsyncEngine(_Background):
 
     def _send(self, cmd: tuple) -> None:
         self._commands.put(cmd)
-        self._wake.set()
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
+        self._commands.put(STOP)
         self._thread.join(timeout=10)
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _next_command(self, block: bool) -> tuple | None:
         try:
-            while not self._stop:
-                applied = self._apply_commands()
-                if not engine.has_unfinished_requests():
-                    if applied:  # the metrics after aborts that left nothing to step
-                        self._deliver_step([])
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                self._deliver_step(engine.step())
+            return self._commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def _run(self) -> None:
+        try:
+            engine_loop(self.engine, self._next_command, self._deliver_step)
         except BaseException as e:
             self._fail(e)
             raise
-
-    def _apply_commands(self) -> bool:
-        applied = False
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return applied
-            applied = True
-            if cmd[0] == "add":
-                _, rid, text, ids, params = cmd
-                if rid in self._streams:  # not already abandoned by its client
-                    self.engine.add_validated_request(rid, text, ids, params)
-            else:
-                self.engine.abort_request(cmd[1])
 
 
 # ---- the engine in a process of its own -------------------------------------------------------
 
 def _message(out: RequestOutput) -> tuple:
-    """A RequestOutputKind.DELTA output as plain tuples for the pipe (a step's message does not
-    grow with the length of the outputs; EngineProcess._rebuild makes it cumulative again)."""
-    comps = [(c.token_ids, c.text, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
-             for c in out.outputs]
+    """A DELTA output as plain tuples for the pipe (the prompt stays behind: the HTTP process has it)."""
+    comps = [(c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+             for c in out.outputs]  # (CompletionOutput's fields after index, in order)
     return out.request_id, comps, out.finished, out.num_cached_tokens
 
 
 def _engine_main(engine_args: dict, commands, outputs) -> None:
-    """The engine process: build the engine, report its limits, then apply commands and step
-    while anything is unfinished, sending each step's output deltas and the engine's metrics.
-    Ctrl-C is the server's to handle: it shuts this process down by closing the pipe."""
+    """The engine process: build the engine, report its limits, then run engine_loop on the
+    pipes, sending each step's outputs and the engine's metrics. Ctrl-C is the server's to
+    handle: it shuts this process down with STOP, or by closing the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = LLMEngine.from_engine_args(**engine_args)
@@ -235,26 +212,16 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
         return
     outputs.send(("ready", {"vocab_size": engine.model_config.vocab_size, "max_model_len": engine.max_model_len,
                             "tokenizer": engine.tokenizer_source}))
+
+    def next_command(block: bool) -> tuple | None:
+        return commands.recv() if commands.poll(None if block else 0) else None
+
+    def publish(outs: list[RequestOutput]) -> None:
+        outputs.send(("step", [_message(o) for o in outs], engine.get_metrics()))
+
     try:
         with frozen_heap():
-            pauses = GCPauses().start()
-            while True:
-                idle = not engine.has_unfinished_requests()
-                if idle:  # the metrics after aborts that left nothing to step
-                    outputs.send(("step", [], engine.get_metrics(), pauses.stats, time.perf_counter()))
-                while commands.poll(None if idle else 0):
-                    cmd = commands.recv()
-                    if cmd is None:
-                        return
-                    if cmd[0] == "add":
-                        rid, text, ids, params = cmd[1:]
-                        engine.add_validated_request(rid, text, ids, replace(params, output_kind=RequestOutputKind.DELTA))
-                    else:
-                        engine.abort_request(cmd[1])
-                    idle = False
-                if engine.has_unfinished_requests():
-                    outputs.send(("step", [_message(o) for o in engine.step()], engine.get_metrics(),
-                                  pauses.stats, time.perf_counter()))
+            engine_loop(engine, next_command, publish)
     except EOFError:  # the server went away
         return
     except BaseException as e:
@@ -262,18 +229,10 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
         raise
 
 
-@dataclass
-class _Request:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: dict[int, CompletionOutput] = field(default_factory=dict)
-
-
 class EngineProcess(_Background):
     """The engine in a process of its own (spawned: CUDA does not survive a fork). Commands go
-    down one pipe; each step's output deltas and metrics come up another, read on the server's
-    event loop (attach), which rebuilds the cumulative RequestOutputs and delivers them. Start-up
-    errors (bad engine options) are raised here."""
+    down one pipe; each step's outputs and metrics come up another, read on the server's event
+    loop (attach), which delivers them. Start-up errors (bad engine options) are raised here."""
 
     def __init__(self, engine_args: dict, on_step=None):
         super().__init__(on_step)
@@ -296,9 +255,7 @@ class EngineProcess(_Background):
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
         self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
         self._metrics: dict[str, int] = {}
-        self.gc_pauses: list[list] | None = None  # the engine process's GCPauses.stats, as of its last step
-        self.step_sent_at = 0.0  # when the engine process sent its last step (perf_counter: one clock for both)
-        self._requests: dict[str, _Request] = {}
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop that reads the steps
@@ -328,23 +285,23 @@ class EngineProcess(_Background):
             with contextlib.suppress(Exception):
                 loop.remove_reader(self._outputs.fileno())
 
-    def _send(self, cmd: tuple | None) -> None:
-        if cmd is not None:
+    def _send(self, cmd: tuple) -> None:
+        if cmd != STOP:
             self.attach()
-        if cmd is not None and cmd[0] == "add":
-            self._requests[cmd[1]] = _Request(cmd[2], cmd[3])
-        elif cmd is not None:
-            self._requests.pop(cmd[1], None)
+        if cmd[0] == "add":
+            self._prompts[cmd[1]] = (cmd[2], cmd[3])
+        elif cmd[0] == "abort":
+            self._prompts.pop(cmd[1], None)
         try:
             with self._lock:
                 self._commands.send(cmd)
         except OSError as e:  # the process is gone: nothing to abort; an add fails as a dead engine
-            if cmd is not None and cmd[0] == "add":
+            if cmd[0] == "add":
                 raise EngineDeadError(f"the engine process has exited (code {self._process.exitcode})") from e
 
     def shutdown(self) -> None:
         self._closing = True
-        self._send(None)
+        self._send(STOP)
         self._process.join(timeout=10)
         if self._process.is_alive():
             self._process.kill()
@@ -357,8 +314,8 @@ class EngineProcess(_Background):
                 msg = self._outputs.recv()
                 if msg[0] == "error":
                     raise msg[1]
-                _, deltas, self._metrics, self.gc_pauses, self.step_sent_at = msg
-                self._deliver_step([out for d in deltas if (out := self._rebuild(*d)) is not None])
+                _, outs, self._metrics = msg
+                self._deliver_step([out for o in outs if (out := self._output(*o)) is not None])
         except EOFError:
             self._detach()
             if not self._closing:
@@ -367,21 +324,12 @@ class EngineProcess(_Background):
             self._detach()
             self._fail(e)
 
-    def _rebuild(self, request_id: str, comps: list[tuple], finished: bool, num_cached: int) -> RequestOutput | None:
-        req = self._requests.get(request_id)
-        if req is None:  # aborted meanwhile
+    def _output(self, request_id: str, comps: list[tuple], finished: bool, num_cached: int) -> RequestOutput | None:
+        prompt = self._prompts.pop(request_id, None) if finished else self._prompts.get(request_id)
+        if prompt is None:  # aborted meanwhile
             return None
-        outputs = []
-        for index, (tokens, text, logprobs, cumulative, reason, stop) in enumerate(comps):
-            prev = req.outputs.get(index)
-            if prev is not None:
-                tokens, text = prev.token_ids + tokens, prev.text + text
-                logprobs = None if logprobs is None else prev.logprobs + logprobs
-            req.outputs[index] = CompletionOutput(index, text, tokens, cumulative, logprobs, reason, stop)
-            outputs.append(req.outputs[index])
-        if finished:
-            del self._requests[request_id]
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, num_cached)
+        outputs = [CompletionOutput(index, *c) for index, c in enumerate(comps)]
+        return RequestOutput(request_id, *prompt, outputs, finished, num_cached)
 
 
 def start_background_engine(engine_args: dict, in_process: bool = False) -> AsyncEngine | EngineProcess:

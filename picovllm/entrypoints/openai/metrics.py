@@ -30,7 +30,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
 
     def on_step(self, engine, outputs) -> None:
-        """Called after each step (on the engine thread, or on the thread reading the engine process)."""
+        """Called after each step (on the engine thread, or on the event loop reading the engine process)."""
         m = engine.get_metrics()
         self.running.set(m["num_running"])
         self.waiting.set(m["num_waiting"])
@@ -42,7 +42,8 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Per request: TTFT at its first token, inter-token latency per token, end-to-end at the end."""
+    """Per request, from its DELTA outputs: TTFT at its first token, inter-token latency per
+    token, end-to-end at the end."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
@@ -51,8 +52,8 @@ class RequestTracker:
 
     def update(self, out: RequestOutput) -> None:
         m, now = self.metrics, time.perf_counter()
-        tokens = sum(len(c.token_ids) for c in out.outputs)
-        new = tokens - self.tokens
+        new = sum(len(c.token_ids) for c in out.outputs)
+        tokens = self.tokens + new
         if new > 0:
             if self.tokens == 0:
                 m.ttft.observe(now - self.start)

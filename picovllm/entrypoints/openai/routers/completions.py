@@ -1,0 +1,94 @@
+"""POST /v1/completions: a prompt (a string, strings, token ids or lists of them), streamed or not."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter
+
+from picovllm.entrypoints.openai.protocol import CompletionRequest
+from picovllm.entrypoints.openai.serving import (
+    APIError,
+    EventTemplates,
+    ServerState,
+    State,
+    collect,
+    completion_logprobs,
+    new_completions,
+    sse,
+    usage,
+)
+
+router = APIRouter()
+
+
+def _prompt_list(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+@router.post("/completions")
+async def completions(req: CompletionRequest, state: State):
+    state.check_model(req.model)
+    prompts = _prompt_list(req.prompt)
+    params = state.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    if req.echo:
+        state.need_tokenizer()
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    streams = [await state.start(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+    created = int(time.time())
+    if req.stream:
+        return sse(_stream(streams, req, params.n, rid, created, state))
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, stream in enumerate(streams):
+        out = await collect(stream, state.metrics.track())
+        prompt_tokens += len(out.prompt_token_ids)
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            text = c.text
+            if req.echo:
+                text = (out.prompt or state.tokenizer.decode(out.prompt_token_ids)) + text
+            choices.append({"index": i * params.n + c.index, "text": text, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                            "logprobs": completion_logprobs(c) if req.logprobs is not None else None})
+    return {"id": rid, "object": "text_completion", "created": created, "model": state.served_model_name,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: int, state: ServerState):
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    prompt_tokens = completion_tokens = 0
+    model = state.served_model_name
+
+    def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+
+    templates = EventTemplates(chunk)
+    for i, stream in enumerate(streams):
+        tracker, done, started = state.metrics.track(), set(), set()
+        async for out in stream:
+            tracker.update(out)
+            for c in new_completions(out, done):
+                text = c.text
+                if req.echo and c.index not in started:
+                    text = (out.prompt or "") + text
+                started.add(c.index)
+                completion_tokens += len(c.token_ids)
+                index = i * n + c.index
+                if req.logprobs is None and c.finish_reason is None:
+                    yield templates.event(index, text)
+                else:
+                    yield chunk(index, text, completion_logprobs(c) if req.logprobs is not None else None,
+                                c.finish_reason, c.stop_reason)
+            if out.finished:
+                prompt_tokens += len(out.prompt_token_ids)
+    if include_usage:
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,174 @@
+"""What the server's routes share: the server's state (the engine, the model's name, sampling
+defaults, metrics) as a FastAPI dependency, OpenAI errors, starting and collecting a request's
+outputs, Server-Sent Events and the OpenAI shapes of usage and logprobs.
+
+The engine delivers RequestOutputKind.DELTA outputs (what each step added, only text that no
+stop string can still cut off: engine/detokenizer.py): streams send them as they come, and a
+request that does not stream joins them (collect).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.responses import StreamingResponse
+
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, EngineProcess
+from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from picovllm.outputs import CompletionOutput, RequestOutput
+from picovllm.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine | EngineProcess
+    served_model_name: str
+    api_key: str | None
+    sampling_defaults: dict
+    metrics: ServerMetrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+    def need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, "the server runs without a tokenizer: send token ids")
+
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return req.sampling_params(self.sampling_defaults, max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split()[0]) from None
+
+    async def start(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Validate a prompt (400 on bad input) and start generating: the request's outputs."""
+        try:
+            text, ids = await self.engine.validate(prompt, params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return self.engine.generate(request_id, text, ids, params)
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(server_state)]  # a route's parameter: the server's state
+
+
+async def authorize(request: Request) -> None:
+    """/v1 routes need the key when the server has one (as vLLM's)."""
+    key = request.app.state.server.api_key
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        raise APIError(401, "invalid or missing API key", "AuthenticationError")
+
+
+async def collect(stream: AsyncIterator[RequestOutput], tracker: RequestTracker) -> RequestOutput:
+    """A request's final output: each completion's DELTA outputs joined."""
+    outputs: dict[int, CompletionOutput] = {}
+    out = None
+    try:
+        async for out in stream:
+            tracker.update(out)
+            for c in out.outputs:
+                prev = outputs.get(c.index)
+                if prev is None:
+                    outputs[c.index] = CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                                                        None if c.logprobs is None else list(c.logprobs),
+                                                        c.finish_reason, c.stop_reason)
+                    continue
+                prev.text += c.text
+                prev.token_ids += c.token_ids
+                if prev.logprobs is not None:
+                    prev.logprobs += c.logprobs
+                prev.cumulative_logprob, prev.finish_reason, prev.stop_reason = (
+                    c.cumulative_logprob, c.finish_reason, c.stop_reason)
+    except EngineDeadError as e:
+        raise APIError(500, str(e), "InternalServerError") from None
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [outputs[i] for i in sorted(outputs)],
+                         out.finished, out.num_cached_tokens)
+
+
+def new_completions(out: RequestOutput, done: set[int]):
+    """The completions of a DELTA output that carry something new: text, tokens, or their end
+    (reported once: done collects the indices that have ended)."""
+    for c in out.outputs:
+        if c.index in done or not (c.text or c.token_ids or c.finish_reason):
+            continue
+        if c.finish_reason is not None:
+            done.add(c.index)
+        yield c
+
+
+def sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
+    """Server-Sent Events of the chunks: dicts, or events already serialised (EventTemplates)."""
+    async def body():
+        async for chunk in chunks:
+            yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+class EventTemplates:
+    """The SSE events of a stream's common chunk (one more piece of text, no logprobs, not the
+    last), serialised once per choice around the text: json.dumps of the whole chunk per token
+    took 4.1 us on this project's CPU, filling the template 0.4."""
+
+    _HOLE = "\x00text\x00"
+
+    def __init__(self, chunk: Callable[[int, str], dict]):
+        self.chunk, self.parts = chunk, {}
+
+    def event(self, index: int, text: str) -> str:
+        if index not in self.parts:
+            self.parts[index] = f"data: {json.dumps(self.chunk(index, self._HOLE))}\n\n".split(json.dumps(self._HOLE))
+        head, tail = self.parts[index]
+        return head + json.dumps(text) + tail
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _lp_item(lp) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+
+def completion_logprobs(c: CompletionOutput) -> dict:
+    """/v1/completions' logprobs of c's tokens."""
+    tokens, token_lps, tops = [], [], []
+    for tid, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+        tokens.append(entry[tid].decoded_token)
+        token_lps.append(entry[tid].logprob)
+        tops.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": []}
+
+
+def chat_logprobs(c: CompletionOutput, k: int) -> list[dict]:
+    """Each of c's tokens with its log-probability and the k most likely tokens at its step."""
+    content = []
+    for tid, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+        top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+        content.append({**_lp_item(entry[tid]), "top_logprobs": [_lp_item(lp) for lp in top]})
+    return content
