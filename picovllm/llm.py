@@ -94,7 +94,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         # (no bar at all without use_tqdm: a disabled one still costs ~20 us per call)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
-        start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
+        start, output_tokens = time.perf_counter(), 0
         try:
             while pending:
                 if not engine.has_unfinished_requests():
@@ -104,12 +104,10 @@ class LLM:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         finished[out.request_id] = out
-                        prompt_tokens += len(out.prompt_token_ids)
                         output_tokens += sum(len(o.token_ids) for o in out.outputs)
                         if bar is not None:
                             elapsed = time.perf_counter() - start
-                            bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
-                                                f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
+                            bar.set_postfix_str(f"{output_tokens / elapsed:.1f} output tok/s", refresh=False)
                             bar.update(1)
         except BaseException:
             engine.abort_request(list(pending))

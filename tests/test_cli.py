@@ -46,11 +46,69 @@ def test_chat_streams_and_keeps_history(tiny_qwen, monkeypatch, capsys):
 def test_errors_are_messages_not_tracebacks(capsys):
     assert main(["generate", "-m", "/no/such/model", "--device", "cpu", "hi"]) == 1
     assert "not found" in capsys.readouterr().err
-    assert main(["generate", "-m", "dummy:smollm2-135m", "--device", "cpu", "--temperature", "-1", "hi"]) == 1
-    assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "-m", "dummy:smollm2-135m", "--device", "cpu", "--presence-penalty", "5", "hi"]) == 1
+    assert "presence_penalty" in capsys.readouterr().err
 
 
-def test_models_lists_builtins(capsys):
+def test_models_lists_builtins_and_whether_they_are_installed(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert "qwen2.5-coder-0.5b-instruct (default)" in out and "smollm2-135m-instruct" in out
+    assert "qwen2.5-coder-0.5b-instruct (default): installed" in out  # (the test command installs both)
+    assert "smollm2-135m-instruct: installed" in out
+    assert "qwen2.5-coder-1.5b-instruct: " in out and "pip install 'picovllm[" not in out
+
+
+def test_bad_options_get_the_subcommand_usage_and_numbers_are_checked(capsys):
+    for argv, said in [(["generate", "--bogus"], "unrecognized arguments: --bogus"),
+                       (["serve", "--port", "99999"], "a port is 1-65535"),
+                       (["serve", "--port", "0"], "a port is 1-65535"),
+                       (["generate", "--max-num-seqs", "0", "hi"], "must be >= 1"),
+                       (["chat", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+                       (["generate", "--temperature", "x", "hi"], "'x' is not a number"),
+                       (["bench", "latency", "--batch-sizes", "1,0"], "must be >= 1")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and said in err, (argv, err)
+        assert err.startswith(f"usage: picovllm {' '.join(a for a in argv[:2] if not a.startswith('-'))}"), err
+
+
+def test_prompts_are_checked_before_the_model_loads(tiny_qwen, tmp_path, monkeypatch, capsys):
+    import picovllm
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(picovllm, "LLM", no_load)
+    base = ["generate", "-m", tiny_qwen[0], *ENGINE]
+    assert main([*base, ""]) == 1 and "the prompt is empty" in capsys.readouterr().err
+    assert main([*base, "--max-model-len", "8", "word " * 20]) == 1 and "max_model_len" in capsys.readouterr().err
+    assert main([*base, "--max-model-len", "64", "--max-tokens", "60", "Hello world"]) == 1
+    assert "exceeds max_model_len" in capsys.readouterr().err
+    assert main([*base, "--file", str(tmp_path / "missing.txt")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read --file" in err and "No such file" in err and "Errno" not in err
+
+
+def test_generate_prints_a_start_up_line_and_a_summary(tiny_qwen, capsys):
+    assert main(["generate", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "6", "--ignore-eos",
+                 "Hello", "Hi there"]) == 0
+    err = capsys.readouterr().err
+    assert "loading " in err and "ready in" in err and "KV blocks" in err
+    summary = [line for line in err.splitlines() if "tokens generated" in line]
+    assert len(summary) == 1 and summary[0].startswith("2 prompts (") and ", 12 tokens generated in " in summary[0]
+    assert "tok/s, time to first token" in summary[0] and summary[0].endswith("ms (mean)")
+
+
+def test_quiet_generate_separates_completions(tiny_qwen, capsys):
+    assert main(["generate", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "3", "--ignore-eos",
+                 "-q", "Hello", "Hi there"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.count("\n\n") >= 1
+
+
+def test_chat_reset_says_so_and_replies_carry_their_speed(tiny_qwen, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/reset\n/exit\n"))
+    assert main(["chat", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "4", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "(conversation cleared)" in err and "(4 tokens, time to first token " in err and "tok/s)" in err

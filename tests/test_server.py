@@ -153,6 +153,13 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, path, bod
     assert ok.status_code == 200
 
 
+def test_malformed_json_names_no_field(server):
+    r = httpx.post(server[0] + "/v1/completions", content=b'{"prompt": "Hi", "max_tokens": }',
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] is None and error["message"].startswith("invalid JSON")
+
+
 def test_api_key_required(server):
     assert _post(server[0], "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None).status_code == 401
     assert _post(server[0], "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key="wrong").status_code == 401

