@@ -7,10 +7,10 @@ warm hit and a late chunk of a 512-token prompt at a 128-token step budget (103 
 cached, as `profile_decode.py serve 128 64` sees them) also over key splits (num_splits() gives
 both 16 in a graph; each split at least 2 key tiles).
 
-Usage: PYTHONPATH=. python benchmarks/attention_sweep.py
-       PYTHONPATH=. python benchmarks/attention_sweep.py splits
+Usage: PYTHONPATH=. python benchmarks/kernels/attention_sweep.py
+       PYTHONPATH=. python benchmarks/kernels/attention_sweep.py splits
          the key-split sweep alone (BLOCK_N 32 / 64 / 128), for the warm hit and the late chunk
-       PYTHONPATH=. python benchmarks/attention_sweep.py decode
+       PYTHONPATH=. python benchmarks/kernels/attention_sweep.py decode
          the decode kernel (kernels/decode_attention.py) as a mixed-step graph of 128 tokens runs it:
          64 decodes over 560-623 keys beside a 64-token prompt chunk, 128 sequence slots, over the
          splits and the fewest keys per split; and as a decode step of the same 64 runs it."""
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from benchmarks.gemv_sweep import bench
+from benchmarks.kernels.gemv_sweep import bench
 from picovllm.kernels.decode_attention import decode_attention_triton, num_splits
 from picovllm.kernels.prefill_attention import prefill_attention_triton, prefill_work
 

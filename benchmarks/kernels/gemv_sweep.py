@@ -1,14 +1,14 @@
-"""Our GEMV (kernels/gemv.py) against cuBLAS on Qwen2.5-1.5B's projections at 1 to 64 rows (CUDA
-cores at one row, tensor cores from two), over a sweep of tile sizes; each timing is 50 calls
-replayed from a CUDA graph (GPU only). cuBLAS times the GEMM alone: the GEMV also does the work
-of the norm / SiLU*mul / add kernels it replaces in the model, which this does not count.
+"""Our GEMV (kernels/gemv.py) against cuBLAS on Qwen2.5-1.5B's projections, over a sweep of tile
+sizes; each timing is 50 calls replayed from a CUDA graph (GPU only). cuBLAS times the GEMM alone:
+the GEMV also does the work of the norm / SiLU*mul / add kernels it replaces in the model, which
+this does not count.
 
-Usage: PYTHONPATH=. python benchmarks/gemv_sweep.py [ROWS ...]  (default: 8 16 40 64; one row was swept in the second session)
-       PYTHONPATH=. python benchmarks/gemv_sweep.py chain
+Usage: PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py [ROWS ...]  (default: 1)
+       PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py chain
          one row, as the model runs it: a batch-1 step's 113 GEMVs (28 layers x qkv with norm and bias,
          o with residual, gate_up with norm and SiLU*mul, down with residual; the LM head with norm),
-         each layer its own weights, replayed from one CUDA graph (with programmatic dependent launch
-         unless PICOVLLM_PDL=0, as in the engine); for each projection in turn, every candidate tile
+         each layer its own weights, replayed from one CUDA graph (with programmatic dependent launch,
+         as in the engine); for each projection in turn, every candidate tile
          with the others at their defaults; then the best of each together."""
 import itertools
 import sys
@@ -44,15 +44,11 @@ def bench(fn, reps: int = 50, rounds: int = 1) -> float:
 
 
 def tile_candidates(rows: int):
-    """(config, warps) pairs: CUDA-core tiles at one row, tensor-core tiles from two."""
-    if rows == 1:
-        for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8)):
-            if bn * bk <= 32768:
-                yield dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, DOT=False), warps
-    else:
-        block_m = max(16, 1 << (rows - 1).bit_length())
-        for bn, bk, warps in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8)):
-            yield dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, DOT=True), warps
+    """(config, warps) pairs."""
+    block_m = 1 << (rows - 1).bit_length()
+    for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8)):
+        if block_m * bn * bk <= 32768:
+            yield dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk), warps
 
 
 def main(row_counts: list[int]) -> None:
@@ -111,7 +107,7 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
             rows_loaded = 2 * bn if name == "gate_up" else bn
             if rows_loaded * bk > 32768 or (k <= 2048 and bk > 2048) or (k > 2048 and warps < 2):
                 continue
-            yield dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, DOT=False, num_warps=warps)
+            yield dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
 
     base = timed({})
     defaults = {p: gemv_config(1, n // 2 if p == "gate_up" else n, k, norm=p in ("qkv", "gate_up", "lm_head"),
@@ -141,4 +137,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["chain"]:
         chain()
     else:
-        main([int(r) for r in sys.argv[1:]] or [8, 16, 40, 64])
+        main([int(r) for r in sys.argv[1:]] or [1])

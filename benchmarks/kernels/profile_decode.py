@@ -1,17 +1,17 @@
 """GPU time per kernel of a step, Qwen2.5-1.5B shapes with random weights (GPU only).
 
-Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
+Usage: PYTHONPATH=. python benchmarks/kernels/profile_decode.py [BATCH] [graphs]
          a decode step at BATCH (without "graphs" the step runs eagerly);
-       PYTHONPATH=. python benchmarks/profile_decode.py prefix [CACHED] [NEW]
+       PYTHONPATH=. python benchmarks/kernels/profile_decode.py prefix [CACHED] [NEW]
          the warm request of `picovllm bench prefix` scenario b: a prompt whose first CACHED
          tokens (default 2083) are in the prefix cache and NEW (default 40) are not, with the
          default engine (graphs); prints its wall time (TTFT) next to the GPU kernel time, and
          the time line of one request (host phases, GPU time; see timeline());
          `prefix 0 2123`: the same prompt's cold prefill;
-       PYTHONPATH=. python benchmarks/profile_decode.py mixed [BATCH] [NEW]
+       PYTHONPATH=. python benchmarks/kernels/profile_decode.py mixed [BATCH] [NEW]
          a serving step: BATCH (default 64) decodes plus a NEW-token prompt (default 448) in every
          step, with the default engine (mixed-step graphs); prints the wall time per step.
-       PYTHONPATH=. python benchmarks/profile_decode.py serve [BUDGET] [CLIENTS]
+       PYTHONPATH=. python benchmarks/kernels/profile_decode.py serve [BUDGET] [CLIENTS]
          the engine alone under `picovllm bench serve`'s closed loop (CLIENTS requests of 512
          prompt and 128 output tokens, a new one as each finishes, max_num_seqs CLIENTS, a step
          budget of BUDGET tokens): the interval between steps (what a stream's inter-token latency
@@ -19,23 +19,24 @@ Usage: PYTHONPATH=. python benchmarks/profile_decode.py [BATCH] [graphs]
          `serve BUDGET CLIENTS profile`: then the kernels of 50 more steps (PDL off);
          `serve BUDGET CLIENTS host`: then where the host time of 300 more steps goes (cProfile).
 
-Programmatic dependent launch is off here unless PICOVLLM_PDL=1 is set: with it, each kernel starts
-while the previous one drains, so the kernels' times overlap and no longer add up to the step
-(2.19 ms of kernel time in a 1.50 ms step at batch 1). The wall times printed are without it too,
-except in `serve`, which runs the engine's defaults (PDL on) and reads no kernel times."""
+Programmatic dependent launch is off here unless `pdl` ends the arguments: with it, each
+kernel starts while the previous one drains, so the kernels' times overlap and no longer add up
+to the step (2.19 ms of kernel time in a 1.50 ms step at batch 1). The wall times printed are
+without it too, except in `serve`, which runs the engine's defaults (PDL on) and reads no kernel
+times."""
 import collections
 import gc
-import os
 import sys
 import time
-
-if sys.argv[1:2] != ["serve"] or "profile" in sys.argv:  # (serve: the engine's defaults, PDL on)
-    os.environ.setdefault("PICOVLLM_PDL", "0")  # before picovllm is imported (see above)
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from picovllm import LLM, SamplingParams
+from picovllm.kernels import triton_utils
+
+if (sys.argv[1:2] != ["serve"] or "profile" in sys.argv) and "pdl" not in sys.argv:
+    triton_utils.PDL = False  # (serve: the engine's defaults, PDL on; see above)
 
 STEPS = 10
 

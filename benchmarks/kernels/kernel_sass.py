@@ -4,7 +4,7 @@ division is a call). Shapes: Qwen2.5-1.5B's (12 query heads of 128 over 2 KV hea
 bf16); tiles as a warm prefix hit's mixed-step graph runs the prefill kernel (64 queries, 32-key
 tiles, 16 splits) and as a batch-1 decode step runs the decode kernel (32 splits of 32 keys).
 
-Usage: python benchmarks/kernel_sass.py
+Usage: PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py
 Integer arguments are given as Triton would see them at launch: strides of 1 as constants, the
 others divisible by 16 (the block-table row stride is not specialised)."""
 import os
@@ -12,9 +12,9 @@ import re
 import subprocess
 
 import triton
+from compile_kernels import compile_sm90  # tests/compile_kernels.py
 
 from picovllm.kernels import decode_attention, prefill_attention
-from picovllm.kernels.triton_utils import compile_sm90
 
 ATTENTION_POINTERS = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i64",
                       "context_lens": "*i64", "query_start_loc": "*i64", "work": "*i64", "out": "*bf16",
