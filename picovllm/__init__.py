@@ -1,4 +1,5 @@
 """Pico-vLLM: a compact, readable and fast LLM inference engine."""
+
 from picovllm.engine.llm_engine import LLMEngine
 from picovllm.llm import LLM
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput

@@ -1,4 +1,5 @@
 """Engine and model configuration (dataclasses); user-facing options are validated here."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,14 @@ logger = logging.getLogger("picovllm")
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -51,7 +57,8 @@ class ModelConfig:
         if arch is None:
             raise ValueError(
                 f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
-                f"Pico-vLLM supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"Pico-vLLM supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -137,7 +144,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes for the KV pool; set, it overrides gpu_memory_utilization (default on CPU: 2 GiB)
+    kv_cache_memory: int | None = (
+        None  # bytes for the KV pool; set, it overrides gpu_memory_utilization (default on CPU: 2 GiB)
+    )
     num_gpu_blocks_override: int | None = None
     load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)
     skip_tokenizer_init: bool = False
@@ -165,11 +174,17 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
-        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
-             "num_gpu_blocks_override", "must be >= 1")
+        need(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+            "num_gpu_blocks_override",
+            "must be >= 1",
+        )
         need(isinstance(self.async_scheduling, bool), "async_scheduling", "must be True or False")
-        need(isinstance(self.mixed_graph_tokens, int) and 0 <= self.mixed_graph_tokens <= 8192,
-             "mixed_graph_tokens", "must be an integer in [0, 8192]")
+        need(
+            isinstance(self.mixed_graph_tokens, int) and 0 <= self.mixed_graph_tokens <= 8192,
+            "mixed_graph_tokens",
+            "must be an integer in [0, 8192]",
+        )
         need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
 
 
@@ -177,8 +192,9 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     """The context limit before the KV cache is sized: max_model_len, else the model's."""
     max_position = model_config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > max_position:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings {max_position}")
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {max_position}"
+        )
     return config.max_model_len or max_position
 
 
@@ -189,8 +205,10 @@ def resolve_limits(config: EngineConfig, max_model_len: int, kv_capacity: int) -
     without chunked prefill at least max_model_len, since a prompt must then fit one step)."""
     if max_model_len > kv_capacity:
         if config.max_model_len is not None:
-            raise ValueError(f"max_model_len {max_model_len} needs more KV cache than the pool holds "
-                             f"({kv_capacity} tokens); lower max_model_len or give the KV cache more memory")
+            raise ValueError(
+                f"max_model_len {max_model_len} needs more KV cache than the pool holds "
+                f"({kv_capacity} tokens); lower max_model_len or give the KV cache more memory"
+            )
         logger.warning("max_model_len lowered from %d to %d, what the KV cache holds", max_model_len, kv_capacity)
         max_model_len = kv_capacity
     default_budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -198,9 +216,13 @@ def resolve_limits(config: EngineConfig, max_model_len: int, kv_capacity: int) -
         default_budget = max(default_budget, max_model_len)
     budget = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
     if not config.enable_chunked_prefill and budget < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
-                         f"({max_model_len}) without chunked prefill: prompts are prefilled in one step")
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_model_len "
+            f"({max_model_len}) without chunked prefill: prompts are prefilled in one step"
+        )
     if budget < config.max_num_seqs:
-        raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs "
-                         f"({config.max_num_seqs}): every running request decodes a token per step")
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_num_seqs "
+            f"({config.max_num_seqs}): every running request decodes a token per step"
+        )
     return max_model_len, budget

@@ -8,6 +8,7 @@ other setting is an engine option (EngineConfig, CLI flags). The model cache's l
     PICOVLLM_DISABLE_TRITON=1    run the PyTorch reference of every kernel, also on a GPU (no
                                  CUDA graphs then; read when picovllm.kernels is imported)
 """
+
 from __future__ import annotations
 
 import os

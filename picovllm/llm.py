@@ -1,4 +1,5 @@
 """The offline API, as in vLLM: LLM(...).generate(prompts, sampling_params) and .chat(...)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,7 @@ class LLM:
     kv_cache_memory, ...); an unknown one raises ValueError.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, **kwargs):
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", seed: int = 0, **kwargs):
         self.llm_engine = LLMEngine.from_engine_args(model=model, dtype=dtype, device=device, seed=seed, **kwargs)
         self._request_counter = 0
 
@@ -41,13 +41,15 @@ class LLM:
         prefix_cache_queried_tokens, prefix_cache_hit_tokens, num_running, num_waiting, ..."""
         return self.llm_engine.get_metrics()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; returns RequestOutputs in the order of the prompts.
         Every prompt is validated before any runs: bad input raises ValueError and runs nothing."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -70,10 +72,14 @@ class LLM:
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and generate."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -83,8 +89,9 @@ class LLM:
         for conv in conversations:
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise ValueError("each message must be a dict with 'role' and 'content'")
-            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
+            text = tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -98,8 +105,9 @@ class LLM:
         try:
             while pending:
                 if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"requests {sorted(pending)} vanished from the engine (was it stepped "
-                                       "from another thread?)")
+                    raise RuntimeError(
+                        f"requests {sorted(pending)} vanished from the engine (was it stepped from another thread?)"
+                    )
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)

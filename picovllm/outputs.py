@@ -1,4 +1,5 @@
 """What generate() and LLMEngine.step() return, with vLLM's names."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """SamplingParams: per-request sampling settings with vLLM's names, defaults and meanings."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,30 +64,51 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-             "temperature", "must be a number >= 0")
+        need(
+            isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "must be a number >= 0"
+        )
         need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
-             "top_k", "must be -1 (disable), 0 (disable) or a positive integer")
+        need(
+            is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            "must be -1 (disable), 0 (disable) or a positive integer",
+        )
         need(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        need(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
-             "repetition_penalty", "must be > 0")
-        need(isinstance(self.presence_penalty, (int, float)) and -2 <= self.presence_penalty <= 2,
-             "presence_penalty", "must be in [-2, 2]")
-        need(isinstance(self.frequency_penalty, (int, float)) and -2 <= self.frequency_penalty <= 2,
-             "frequency_penalty", "must be in [-2, 2]")
+        need(
+            isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+        )
+        need(
+            isinstance(self.presence_penalty, (int, float)) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        need(
+            isinstance(self.frequency_penalty, (int, float)) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
         need(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
-        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-             "max_tokens", "must be an integer >= 1 or None")
+        need(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be an integer >= 1 or None",
+        )
         need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-             "logprobs", "must be an integer >= 0 or None")
+        need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens ({self.max_tokens})",
+        )
+        need(
+            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            "must be an integer >= 0 or None",
+        )
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids", "must be non-negative integers")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
@@ -100,4 +122,3 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
-

@@ -33,8 +33,14 @@ TEST_DEVICE = os.environ.get("PICOVLLM_TEST_DEVICE", "cpu")
 
 def engine_args(path: str, **kwargs) -> dict:
     """The tests' engine options: fp32, a 16 MiB KV cache, on TEST_DEVICE."""
-    return {"model": path, "dtype": "float32", "device": TEST_DEVICE, "kv_cache_memory": 16 << 20,
-            "gpu_memory_utilization": 0.3, **kwargs}
+    return {
+        "model": path,
+        "dtype": "float32",
+        "device": TEST_DEVICE,
+        "kv_cache_memory": 16 << 20,
+        "gpu_memory_utilization": 0.3,
+        **kwargs,
+    }
 
 
 def make_llm(path: str, **kwargs):

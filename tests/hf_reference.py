@@ -1,5 +1,6 @@
 """Reference greedy decoding with Hugging Face transformers, recording how close each step's
 top-2 logits were, and the comparison rule for token sequences."""
+
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,7 @@ def assert_greedy_match(ours: list[int], ref: list[int], gaps: list[float], tol:
     for i, (a, b) in enumerate(zip(ours, ref)):
         if gaps[i] < tol:
             return i
-        assert a == b, f"token {i}: ours {a} != reference {b} (top-2 gap {gaps[i]:.4g} >= {tol}); " \
-                       f"ours {ours}, reference {ref}"
+        assert a == b, (
+            f"token {i}: ours {a} != reference {b} (top-2 gap {gaps[i]:.4g} >= {tol}); ours {ours}, reference {ref}"
+        )
     return len(ref)

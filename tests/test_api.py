@@ -1,5 +1,6 @@
 """The vLLM-style API: prompt forms, output order, n > 1, stop handling, chat, logprobs, abort,
 and clear errors on bad input while the engine keeps serving."""
+
 import pytest
 from conftest import engine_args, make_llm
 from hf_reference import hf_greedy
@@ -31,58 +32,74 @@ def test_prompt_forms_and_order(llm, tiny_qwen):
 
 
 def test_per_prompt_sampling_params(llm):
-    outs = llm.generate(["Hello", "Hello"], [SamplingParams(max_tokens=2, ignore_eos=True),
-                                             SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
+    outs = llm.generate(
+        ["Hello", "Hello"],
+        [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)],
+        use_tqdm=False,
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
     with pytest.raises(ValueError, match="2 sampling_params given for 3 prompts"):
         llm.generate(["a", "b", "c"], [SamplingParams()] * 2)
 
 
 def test_n_gives_distinct_samples(llm):
-    out = llm.generate("Hello", SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "Hello", SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 4
-    again = llm.generate("Hello", SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True),
-                         use_tqdm=False)[0]
+    again = llm.generate(
+        "Hello", SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
 def test_stop_strings_are_trimmed(llm):
     tok = llm.get_tokenizer()
-    free = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     text = free.text
     stop = text[5:8]
     assert stop and stop not in text[:5]
-    out = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The capital", SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == text[: text.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert len(out.token_ids) < 20
-    kept = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, stop=stop, ignore_eos=True,
-                                                      include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        "The capital",
+        SamplingParams(temperature=0, max_tokens=20, stop=stop, ignore_eos=True, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
     assert tok.decode(out.token_ids).startswith(out.text)
 
 
 def test_stop_token_ids_and_eos(llm):
-    free = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     target = free.token_ids[3]
     first = free.token_ids.index(target)
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == target
-    delayed = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target],
-                                                   min_tokens=first + 1), use_tqdm=False)[0].outputs[0]
+    delayed = llm.generate(
+        "Hello",
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[target], min_tokens=first + 1),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(delayed.token_ids) > first + 1
 
 
 def test_logprobs(llm):
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and entry[token].rank == 1  # greedy picks the most likely
@@ -99,24 +116,30 @@ def test_chat_applies_template(llm):
     out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     expected = tok.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     assert out.prompt_token_ids == expected
-    two = llm.chat([conv, conv + [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]],
-                   SamplingParams(max_tokens=2), use_tqdm=False)
+    two = llm.chat(
+        [conv, conv + [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]],
+        SamplingParams(max_tokens=2),
+        use_tqdm=False,
+    )
     assert len(two) == 2 and two[0].prompt_token_ids == expected
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}])
 
 
-@pytest.mark.parametrize("prompt,params,match", [
-    ("", None, "empty"),
-    ({"prompt_token_ids": []}, None, "empty"),
-    ({"prompt_token_ids": [1, 2, 99999]}, None, "out of range"),
-    ({"prompt_token_ids": [1, -3]}, None, "out of range"),
-    ({"prompt_token_ids": [1, "a"]}, None, "out of range"),
-    ({"prompt_tokens": [1]}, None, "prompt_token_ids"),
-    (12, None, "must be a string"),
-    ("Hello " * 600, None, "max_model_len"),
-    ("Hello", SamplingParams(max_tokens=2000), "max_model_len"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ("", None, "empty"),
+        ({"prompt_token_ids": []}, None, "empty"),
+        ({"prompt_token_ids": [1, 2, 99999]}, None, "out of range"),
+        ({"prompt_token_ids": [1, -3]}, None, "out of range"),
+        ({"prompt_token_ids": [1, "a"]}, None, "out of range"),
+        ({"prompt_tokens": [1]}, None, "prompt_token_ids"),
+        (12, None, "must be a string"),
+        ("Hello " * 600, None, "max_model_len"),
+        ("Hello", SamplingParams(max_tokens=2000), "max_model_len"),
+    ],
+)
 def test_bad_input_rejected_and_engine_keeps_serving(llm, prompt, params, match):
     ok = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with pytest.raises(ValueError, match=match):
@@ -126,8 +149,9 @@ def test_bad_input_rejected_and_engine_keeps_serving(llm, prompt, params, match)
 
 
 def test_engine_level_errors_leave_others_running(tiny_qwen):
-    engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu",
-                                        kv_cache_memory=16 << 20, max_model_len=128)
+    engine = LLMEngine.from_engine_args(
+        model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20, max_model_len=128
+    )
     engine.add_request("good", "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()
     with pytest.raises(ValueError, match="already in use"):
@@ -178,14 +202,21 @@ def test_final_only_outputs_come_once(tiny_qwen):
     here) has finished, then one output with everything; CUMULATIVE requests in the same steps
     still report every step."""
     engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
-    engine.add_request("final", "Hello", SamplingParams(n=2, max_tokens=4, ignore_eos=True, seed=1,
-                                                         output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request(
+        "final",
+        "Hello",
+        SamplingParams(n=2, max_tokens=4, ignore_eos=True, seed=1, output_kind=RequestOutputKind.FINAL_ONLY),
+    )
     engine.add_request("stream", "Hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     seen = []
     while engine.has_unfinished_requests():
         seen.append([(o.request_id, o.finished, [len(c.token_ids) for c in o.outputs]) for o in engine.step()])
-    assert seen == [[("stream", False, [1])], [("stream", False, [2])], [("stream", True, [3])],
-                    [("final", True, [4, 4])]]
+    assert seen == [
+        [("stream", False, [1])],
+        [("stream", False, [2])],
+        [("stream", True, [3])],
+        [("final", True, [4, 4])],
+    ]
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="final")
 
@@ -198,23 +229,32 @@ def test_delta_outputs_add_up_to_the_cumulative_ones_and_never_take_text_back(ti
     engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
 
     def run(kind, stop=()):
-        params = SamplingParams(n=2, max_tokens=24, ignore_eos=True, seed=3, temperature=0.8, logprobs=2,
-                                stop=list(stop), output_kind=kind)
+        params = SamplingParams(
+            n=2, max_tokens=24, ignore_eos=True, seed=3, temperature=0.8, logprobs=2, stop=list(stop), output_kind=kind
+        )
         engine.add_request("r", "Hello there", params)
-        engine.add_request("g", "Hi", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=list(stop),
-                                                     logprobs=0, output_kind=kind))
+        engine.add_request(
+            "g",
+            "Hi",
+            SamplingParams(
+                temperature=0, max_tokens=12, ignore_eos=True, stop=list(stop), logprobs=0, output_kind=kind
+            ),
+        )
         steps = []
         while engine.has_unfinished_requests():
             steps.extend(engine.step())
         return steps
 
     def final(steps):
-        return {o.request_id: [(c.token_ids, c.text, c.logprobs, c.finish_reason) for c in o.outputs]
-                for o in steps if o.finished}
+        return {
+            o.request_id: [(c.token_ids, c.text, c.logprobs, c.finish_reason) for c in o.outputs]
+            for o in steps
+            if o.finished
+        }
 
     text = final(run(RequestOutputKind.CUMULATIVE))["g"][0][1]
     assert len(text) > 6
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     for stops in ((), (stop, "zzzzzz")):
         want, deltas = final(run(RequestOutputKind.CUMULATIVE, stops)), run(RequestOutputKind.DELTA, stops)
         joined = {}
@@ -233,19 +273,23 @@ def test_delta_outputs_add_up_to_the_cumulative_ones_and_never_take_text_back(ti
     assert want["g"][0][3] == "stop" and text.startswith(want["g"][0][1]) and len(want["g"][0][1]) <= len(text) // 2
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(model="/no/such/dir"), "not found"),
-    (dict(model="no-such-builtin-model"), "not found"),
-    (dict(model="dummy:no-such-shape"), "unknown dummy"),
-    (dict(block_size=0), "block_size"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(device="tpu"), "device"),
-    (dict(max_model_len=10**9), "max_model_len"),
-    (dict(not_an_option=1), "unknown engine option"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(model="/no/such/dir"), "not found"),
+        (dict(model="no-such-builtin-model"), "not found"),
+        (dict(model="dummy:no-such-shape"), "unknown dummy"),
+        (dict(block_size=0), "block_size"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(max_model_len=10**9), "max_model_len"),
+        (dict(not_an_option=1), "unknown engine option"),
+    ],
+)
 def test_bad_engine_options(tiny_qwen, kwargs, match):
     from picovllm import LLM
+
     args = {"model": tiny_qwen[0], "device": "cpu", "kv_cache_memory": 16 << 20, **kwargs}
     with pytest.raises(ValueError, match=match):
         LLM(**args)
@@ -253,8 +297,9 @@ def test_bad_engine_options(tiny_qwen, kwargs, match):
 
 def test_max_tokens_none_runs_to_max_model_len(tiny_qwen):
     llm = make_llm(tiny_qwen[0], max_model_len=40)
-    out = llm.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=None, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
     assert llm.generate([], use_tqdm=False) == []
 
@@ -266,8 +311,9 @@ def test_kv_cache_memory_sizes_the_pool_on_any_device(tiny_qwen):
 
     engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], kv_cache_memory=3 << 20))
     cfg = engine.model_config
-    per_block = BlockManager.bytes_per_block(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                             engine.model_runner.dtype)
+    per_block = BlockManager.bytes_per_block(
+        16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, engine.model_runner.dtype
+    )
     assert engine.block_manager.num_total_blocks == (3 << 20) // per_block
     engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], num_gpu_blocks_override=7))
     assert engine.block_manager.num_total_blocks == 7

@@ -1,5 +1,6 @@
 """async_scheduling: a step is launched before the previous step's tokens are read. The
 outputs must be exactly those of the synchronous engine, whatever stops requests meanwhile."""
+
 import pytest
 from conftest import make_llm
 
@@ -13,8 +14,10 @@ def engines(tiny_qwen):
 
 
 def _run(llm, prompts, params):
-    return [[(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob) for c in o.outputs]
-            for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [
+        [(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob) for c in o.outputs]
+        for o in llm.generate(prompts, params, use_tqdm=False)
+    ]
 
 
 def test_outputs_equal_the_synchronous_engine(engines):
@@ -22,12 +25,14 @@ def test_outputs_equal_the_synchronous_engine(engines):
     prompts than max_num_seqs (admissions in steps launched ahead)."""
     fast, sync = engines
     prompts = ["Hello", "The quick brown fox", "a b c d e f g", "x", "Once upon a time", "1 2 3"]
-    params = [SamplingParams(temperature=0, max_tokens=12),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=9, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=20, stop=[" the", "e"]),
-              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7),
-              SamplingParams(temperature=0, max_tokens=1),
-              SamplingParams(temperature=0.5, seed=11, max_tokens=15, min_tokens=3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=9, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=20, stop=[" the", "e"]),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0.5, seed=11, max_tokens=15, min_tokens=3),
+    ]
     before = fast.llm_engine.num_launched_ahead
     assert _run(fast, prompts, params) == _run(sync, prompts, params)
     assert fast.llm_engine.num_launched_ahead > before  # the fast path was taken
@@ -42,8 +47,10 @@ def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
     monkeypatch.setattr(engine, "debug_invariants", True)
     params = SamplingParams(temperature=0, max_tokens=10)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
-    expected = [o.outputs[0].token_ids for o in sync.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                              use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in sync.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
     for i, p in enumerate(prompts + [[20, 21]]):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=10 if i < 3 else 40))
     done, steps, dropped = {}, 0, engine.num_dropped_ahead
@@ -72,8 +79,10 @@ def test_prompt_chunks_and_admissions_are_launched_ahead_too(tiny_qwen, monkeypa
     monkeypatch.setattr(engine, "debug_invariants", True)
     prompts = [[5 + i * 3 + j for j in range(n)] for i, n in enumerate([3, 19, 6, 12, 2])]
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in sync.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                              use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in sync.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
     done, chunks_ahead, step = {}, 0, 0
     while step < 3 * len(prompts) or engine.has_unfinished_requests():
         if step % 3 == 0 and step // 3 < len(prompts):  # a new prompt every third step

@@ -1,4 +1,5 @@
 """BlockManager accounting and the scheduler's block invariants under churn."""
+
 import random
 
 import pytest
@@ -10,8 +11,9 @@ from picovllm.engine.block_manager import BlockManager, NoFreeBlocksError
 
 
 def _bm(num_blocks=8):
-    return BlockManager(num_blocks, 4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
-                        device=torch.device("cpu"))
+    return BlockManager(
+        num_blocks, 4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu")
+    )
 
 
 def test_allocate_free_and_refcounts():
@@ -36,12 +38,13 @@ def test_blocks_conserved_under_random_churn(tiny_qwen):
     """Random arrivals, aborts and a pool small enough to preempt: after every step
     free + used = total, each used block has one holder, and everything is free at the end."""
     path, _ = tiny_qwen
-    llm = make_llm(path, skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=20,
-                   max_model_len=64, max_num_seqs=5)
+    llm = make_llm(
+        path, skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=20, max_model_len=64, max_num_seqs=5
+    )
     engine = llm.llm_engine
     rng = random.Random(0)
     live, next_id, finished = set(), 0, 0
-    for step in range(150):
+    for _ in range(150):
         if rng.random() < 0.4 and next_id < 40:
             prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 30))]
             params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 30), ignore_eos=True)

@@ -1,5 +1,6 @@
 """Mixed steps and chunked prefill: decodes and prompt chunks share one token budget; a prompt
 longer than the budget is computed over several steps and samples only after its last chunk."""
+
 import pytest
 from conftest import make_llm
 
@@ -10,13 +11,21 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 def _prompts(lengths, seed=0):
     import random
+
     rng = random.Random(seed)
     return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
 
 
 def test_a_long_prompt_is_chunked_and_mixed_with_decodes(tiny_qwen):
-    llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=10,
-                   max_num_seqs=4, enable_prefix_caching=False, async_scheduling=False)  # steps by hand below
+    llm = make_llm(
+        tiny_qwen[0],
+        skip_tokenizer_init=True,
+        block_size=4,
+        max_num_batched_tokens=10,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+    )  # steps by hand below
     engine = llm.llm_engine
     short, long = _prompts([6, 23])
     engine.add_request("short", short, GREEDY)
@@ -34,8 +43,12 @@ def test_a_long_prompt_is_chunked_and_mixed_with_decodes(tiny_qwen):
         engine.check_invariants()
     # 23 prompt tokens in chunks of 9, 9, 5 beside the short request's decodes, then a decode;
     # the long request samples once its last prompt token is computed, not before
-    assert steps == [[("short", 1), ("long", 9)], [("short", 1), ("long", 9)], [("short", 1), ("long", 5)],
-                     [("short", 1), ("long", 1)]]
+    assert steps == [
+        [("short", 1), ("long", 9)],
+        [("short", 1), ("long", 9)],
+        [("short", 1), ("long", 5)],
+        [("short", 1), ("long", 1)],
+    ]
     assert sampled_by == [["short"], ["short"], ["short", "long"], ["short", "long"]]
 
 
@@ -58,8 +71,15 @@ def test_chunked_outputs_equal_unchunked(tiny_qwen, prefix_caching):
 
 
 def test_a_prompt_that_waits_for_room_without_chunking(tiny_qwen):
-    llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, max_model_len=32,
-                   max_num_batched_tokens=32, max_num_seqs=4, enable_chunked_prefill=False)
+    llm = make_llm(
+        tiny_qwen[0],
+        skip_tokenizer_init=True,
+        block_size=4,
+        max_model_len=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        enable_chunked_prefill=False,
+    )
     engine = llm.llm_engine
     a, b = _prompts([20, 20])
     engine.add_request("a", a, GREEDY)
@@ -70,7 +90,8 @@ def test_a_prompt_that_waits_for_room_without_chunking(tiny_qwen):
 
 def test_budget_validation(tiny_qwen):
     with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_model_len"):
-        make_llm(tiny_qwen[0], max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4,
-                 enable_chunked_prefill=False)
+        make_llm(
+            tiny_qwen[0], max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4, enable_chunked_prefill=False
+        )
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         make_llm(tiny_qwen[0], max_num_seqs=8, max_num_batched_tokens=4)

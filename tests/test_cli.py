@@ -1,4 +1,5 @@
 """The picovllm command line on a tiny model."""
+
 import io
 import sys
 
@@ -22,15 +23,34 @@ def test_help_lists_commands_and_options(capsys):
 
 def test_generate_prompts_and_file(tiny_qwen, tmp_path, capsys):
     from picovllm import LLM, SamplingParams
+
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello world\n\nThe capital of France is\n")
-    rc = main(["generate", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "5", "--ignore-eos",
-               "-q", "def add(a, b):", "--file", str(prompts)])
+    rc = main(
+        [
+            "generate",
+            "-m",
+            tiny_qwen[0],
+            *ENGINE,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+            "-q",
+            "def add(a, b):",
+            "--file",
+            str(prompts),
+        ]
+    )
     assert rc == 0
     lines = capsys.readouterr().out.split("\n")
     llm = LLM(tiny_qwen[0], device="cpu", dtype="float32", kv_cache_memory=16 << 20)
-    expected = llm.generate(["def add(a, b):", "Hello world", "The capital of France is"],
-                            SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    expected = llm.generate(
+        ["def add(a, b):", "Hello world", "The capital of France is"],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )
     joined = "\n".join(lines)
     for out in expected:
         assert out.outputs[0].text in joined
@@ -59,13 +79,15 @@ def test_models_lists_builtins_and_whether_they_are_installed(capsys):
 
 
 def test_bad_options_get_the_subcommand_usage_and_numbers_are_checked(capsys):
-    for argv, said in [(["generate", "--bogus"], "unrecognized arguments: --bogus"),
-                       (["serve", "--port", "99999"], "a port is 1-65535"),
-                       (["serve", "--port", "0"], "a port is 1-65535"),
-                       (["generate", "--max-num-seqs", "0", "hi"], "must be >= 1"),
-                       (["chat", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
-                       (["generate", "--temperature", "x", "hi"], "'x' is not a number"),
-                       (["bench", "latency", "--batch-sizes", "1,0"], "must be >= 1")]:
+    for argv, said in [
+        (["generate", "--bogus"], "unrecognized arguments: --bogus"),
+        (["serve", "--port", "99999"], "a port is 1-65535"),
+        (["serve", "--port", "0"], "a port is 1-65535"),
+        (["generate", "--max-num-seqs", "0", "hi"], "must be >= 1"),
+        (["chat", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (["generate", "--temperature", "x", "hi"], "'x' is not a number"),
+        (["bench", "latency", "--batch-sizes", "1,0"], "must be >= 1"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         err = capsys.readouterr().err
@@ -91,8 +113,24 @@ def test_prompts_are_checked_before_the_model_loads(tiny_qwen, tmp_path, monkeyp
 
 
 def test_generate_prints_a_start_up_line_and_a_summary(tiny_qwen, capsys):
-    assert main(["generate", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "6", "--ignore-eos",
-                 "Hello", "Hi there"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "-m",
+                tiny_qwen[0],
+                *ENGINE,
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "6",
+                "--ignore-eos",
+                "Hello",
+                "Hi there",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "loading " in err and "ready in" in err and "KV blocks" in err
     summary = [line for line in err.splitlines() if "tokens generated" in line]
@@ -101,8 +139,25 @@ def test_generate_prints_a_start_up_line_and_a_summary(tiny_qwen, capsys):
 
 
 def test_quiet_generate_separates_completions(tiny_qwen, capsys):
-    assert main(["generate", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "3", "--ignore-eos",
-                 "-q", "Hello", "Hi there"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "-m",
+                tiny_qwen[0],
+                *ENGINE,
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "3",
+                "--ignore-eos",
+                "-q",
+                "Hello",
+                "Hi there",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out.count("\n\n") >= 1
 

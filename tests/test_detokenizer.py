@@ -4,6 +4,7 @@ skipped or not, for a byte-level BPE (Qwen, GPT-2 style) and a Metaspace one (Se
 style, whose decoder drops the first token's leading space: the prompt's last tokens must be
 decoded with the output); the DecodeStream path (fast tokenizers) and the windowed path (other
 tokenizers) show the same text after every token."""
+
 import random
 
 import pytest
@@ -21,8 +22,9 @@ def _metaspace_tokenizer():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIAL + ["<unk>"],
-                                                        show_progress=False))
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIAL + ["<unk>"], show_progress=False)
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
 
 
@@ -58,7 +60,7 @@ def test_streamed_text_equals_the_whole_decode(tokenizer, skip, seed):
         kind = rng.random()
         if kind < 0.5:
             start = rng.randrange(len(CORPUS[3]))
-            output += tokenizer.encode(CORPUS[3][start: start + rng.randrange(1, 12)])
+            output += tokenizer.encode(CORPUS[3][start : start + rng.randrange(1, 12)])
         elif kind < 0.9:
             output.append(rng.randrange(len(tokenizer)))
         else:
@@ -72,4 +74,4 @@ def test_streamed_text_equals_the_whole_decode(tokenizer, skip, seed):
     assert all(a == b[: len(a)] for a, b in zip(texts, texts[1:]))  # text only ever grows
     whole = tokenizer.decode(prompt + output, skip_special_tokens=skip)
     head = tokenizer.decode(prompt, skip_special_tokens=skip)
-    assert whole.startswith(head) and texts[-1] == whole[len(head):]
+    assert whole.startswith(head) and texts[-1] == whole[len(head) :]

@@ -1,6 +1,7 @@
 """Every Triton kernel against its PyTorch reference on random inputs of awkward shapes:
 non-power-of-2 sizes, contexts crossing block boundaries, padding slots, non-contiguous inputs.
 On CPU they run in Triton's interpreter (fp32/fp16: its bf16 dot is unreliable); on CUDA in bf16 too."""
+
 import os
 
 import numpy as np
@@ -82,7 +83,7 @@ def _paged_batch(dtype, q_lens, prefix_lens, block_size, heads=6, kv_heads=2, di
     query = torch.randn(sum(q_lens), heads, dim, generator=g).to(dtype)
     qsl = torch.tensor([0] + q_lens).cumsum(0)
     to = lambda t: t.to(DEV)  # noqa: E731
-    return to(query), to(k_cache), to(v_cache), to(tables), to(torch.tensor(ctx)), to(qsl), dim ** -0.5
+    return to(query), to(k_cache), to(v_cache), to(tables), to(torch.tensor(ctx)), to(qsl), dim**-0.5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,8 +109,9 @@ def test_prefill_attention_split_k_over_long_prefixes(dtype):
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     assert prefill_splits(6, max(q_lens), 32) == 16  # what splits=None picks here: the most
     for splits in (1, 2, None):  # query blocks of 32 rows, merged 16 at a time
-        out = prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16,
-                                       splits=splits)
+        out = prefill_attention_triton(
+            query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16, splits=splits
+        )
         _close(out, ref, dtype)
 
 
@@ -137,12 +139,14 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
     # one split; the default (8 splits of at least 128 keys: 2 used for 202 keys); 8 of at least 64 (4 used)
     for splits, min_keys in ((1, None), (None, None), (None, 64)):
         out = torch.full_like(query, float("nan"))
-        decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl, out=out,
-                                min_keys=min_keys)
+        decode_attention_triton(
+            query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl, out=out, min_keys=min_keys
+        )
         single_rows = qsl[:-1][torch.tensor(q_lens, device=DEV) == 1]
         assert not out[single_rows].isnan().any() and out.isnan().sum() > 0  # its rows, and only those
-        prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16,
-                                 out=out, skip_single=True)
+        prefill_attention_triton(
+            query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16, out=out, skip_single=True
+        )
         _close(out, ref, dtype)
 
 
@@ -178,8 +182,20 @@ def test_prefill_attention_padded_work_list(dtype):
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     work = prefill_work(q_lens, 32, capacity=8)[[4, 0, 5, 1, 6, 2, 7, 3]]
     out = torch.full_like(query, float("nan"))
-    prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16, out=out,
-                             work=torch.from_numpy(work).to(DEV))
+    prefill_attention_triton(
+        query,
+        kc,
+        vc,
+        tables,
+        ctx,
+        qsl,
+        scale,
+        max(q_lens),
+        block_m=32,
+        block_n=16,
+        out=out,
+        work=torch.from_numpy(work).to(DEV),
+    )
     single = int(qsl[2])
     assert out[single].isnan().all()
     rows = [r for r in range(query.shape[0]) if r != single]
@@ -189,7 +205,6 @@ def test_prefill_attention_padded_work_list(dtype):
 def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
     assert [num_splits(b, 2) for b in (1, 2, 8, 64, 128, 256)] == [32, 32, 32, 4, 2, 1]
     assert num_splits(1, 8) == 32 and num_splits(4, 8) == 16
-
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU every kernel runs for real (and this takes 100 s there)")
@@ -237,7 +252,7 @@ def test_gemv_with_fused_norm_bias_activation_residual(dtype, rows, fusion):
     g = torch.Generator().manual_seed(rows)
     n, k = 75, 200
     x = (torch.randn(rows, 2 * k, generator=g) * 3).to(dtype).to(DEV)[:, ::2]  # column stride 2
-    w = (torch.randn(2 * n if fusion == "norm+silu_mul" else n, k, generator=g) / k ** 0.5).to(dtype).to(DEV)
+    w = (torch.randn(2 * n if fusion == "norm+silu_mul" else n, k, generator=g) / k**0.5).to(dtype).to(DEV)
     kwargs = {}
     if "norm" in fusion:
         kwargs.update(norm_weight=(1 + torch.rand(k, generator=g)).to(dtype).to(DEV), eps=1e-6)
@@ -252,7 +267,9 @@ def test_gemv_with_fused_norm_bias_activation_residual(dtype, rows, fusion):
     assert out.shape == (rows, n)
     _close(out, ref, dtype)
     _close(gemv_triton(x, w, **kwargs), ref, dtype)  # the default tiles
-    _close(gemv_triton(x, w, **kwargs, config=dict(BLOCK_M=next_pow2(rows), BLOCK_N=16, BLOCK_K=256)), ref, dtype)  # K in one tile
+    _close(
+        gemv_triton(x, w, **kwargs, config=dict(BLOCK_M=next_pow2(rows), BLOCK_N=16, BLOCK_K=256)), ref, dtype
+    )  # K in one tile
 
 
 def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch):

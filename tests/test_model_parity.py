@@ -1,4 +1,5 @@
 """Token-for-token and logit parity with Hugging Face transformers (fp32, CPU)."""
+
 import pytest
 import torch
 from conftest import make_llm
@@ -77,6 +78,7 @@ def _process(engine, batch, sampled):
 
 def _greedy_tensors(engine, reqs):
     from picovllm.engine.sampler import SamplingTensors
+
     return SamplingTensors.from_requests(reqs, engine.model_config.vocab_size, engine.eos_token_ids, engine.device)
 
 

@@ -1,6 +1,7 @@
 """Prefix caching: the radix tree at unaligned positions, the two reference counts, the three bugs
 the original hit (as regression tests by name), a randomised stress of the whole engine with the
 invariant checker after every step, and identical outputs with the cache on and off."""
+
 import random
 
 import pytest
@@ -192,17 +193,25 @@ def test_same_step_requests_share_the_prefix(llms):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
-@pytest.mark.parametrize("seed,budget,async_scheduling", [(1, None, False), (2, None, False), (3, 7, False),
-                                                           (4, None, True), (5, 7, True)])
+@pytest.mark.parametrize(
+    "seed,budget,async_scheduling", [(1, None, False), (2, None, False), (3, 7, False), (4, None, True), (5, 7, True)]
+)
 def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_scheduling):
     """Shared prefixes diverging anywhere, arrivals in the same and in different steps, aborts,
     preemption and a pool small enough to force eviction; invariants after every step; outputs
     equal to a cache-free engine; every block free after reset_prefix_cache(). budget 7: prompts
     are prefilled in chunks of at most 7 tokens, mixed with decodes. async_scheduling: steps
     launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due."""
-    llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=24,
-                   max_model_len=80, max_num_seqs=5, max_num_batched_tokens=budget,
-                   async_scheduling=async_scheduling)
+    llm = make_llm(
+        tiny_qwen[0],
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_model_len=80,
+        max_num_seqs=5,
+        max_num_batched_tokens=budget,
+        async_scheduling=async_scheduling,
+    )
     engine = llm.llm_engine
     rng = random.Random(seed)
     prompts = _workload(seed, n=30)

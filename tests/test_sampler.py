@@ -1,4 +1,5 @@
 """Sampler: exact masks on hand-made logits, vLLM's penalty definitions, seeded reproducibility."""
+
 import math
 
 import pytest
@@ -121,12 +122,27 @@ def test_sampling_follows_the_distribution():
     torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("max_tokens", 0), ("max_tokens", -5), ("min_tokens", -1), ("n", 0), ("logprobs", -1),
-    ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("min_tokens", -1),
+        ("n", 0),
+        ("logprobs", -1),
+        ("seed", 1.5),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+    ],
+)
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server on a tiny model, on a free loopback port, driven by the official
 openai client and raw HTTP."""
+
 import asyncio
 import json
 import time
@@ -26,8 +27,14 @@ def server(tiny_qwen, request):
     chunks beside other streams' decodes, and requests queue; every test runs against the
     synchronous engine, one with async scheduling, and (the server's default) the engine in a
     process of its own, with async scheduling."""
-    args = engine_args(tiny_qwen[0], max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=16,
-                       async_scheduling=request.param != "sync")
+    args = engine_args(
+        tiny_qwen[0],
+        max_model_len=256,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+        async_scheduling=request.param != "sync",
+    )
     if request.param == "engine_process":
         llm_engine, engine = None, EngineProcess(args)
     else:
@@ -48,8 +55,9 @@ def test_completion_matches_llm_generate(server, client):
     llm = server[2]
     prompts = ["The capital of France is", "def add(a, b):"]
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in resp.choices] == [o.outputs[0].text for o in expected]
     assert [c.finish_reason for c in resp.choices] == ["length", "length"]
     assert resp.usage.completion_tokens == 16
@@ -57,14 +65,29 @@ def test_completion_matches_llm_generate(server, client):
 
 
 def test_streaming_equals_non_streaming_and_holds_back_stop_text(client):
-    free = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    free = (
+        client.completions.create(
+            model=MODEL, prompt="Hello world", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = free[6:9]
     assert stop
-    full = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24, temperature=0, stop=[stop],
-                                     extra_body={"ignore_eos": True}).choices[0]
-    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24, temperature=0,
-                                            stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    full = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Hello world",
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = "".join(c.choices[0].text for c in chunks)
     assert streamed == full.text == free[: free.index(stop)]
     assert all(stop not in c.choices[0].text for c in chunks)
@@ -73,12 +96,21 @@ def test_streaming_equals_non_streaming_and_holds_back_stop_text(client):
 
 def test_chat_stream_and_usage(client):
     msgs = [{"role": "user", "content": "Hello"}]
-    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
@@ -89,12 +121,23 @@ def test_n_seed_and_logprobs(client):
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert len({c.text for c in a.choices}) == 3 and [c.index for c in a.choices] == [0, 1, 2]
-    lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2,
-                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    lp = (
+        client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .logprobs
+    )
     assert len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy: the top token
@@ -129,18 +172,21 @@ def _post(url, path, body, key=KEY):
     return httpx.post(url + path, json=body, headers=headers, timeout=30)
 
 
-@pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "Hi " * 400}, 400, None),
-    ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, None),
-    ("/v1/completions", {"prompt": [1, 2.5]}, 400, None),
-    ("/v1/completions", {"prompt": ""}, 400, None),
-    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-])
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "Hi " * 400}, 400, None),
+        ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, None),
+        ("/v1/completions", {"prompt": [1, 2.5]}, 400, None),
+        ("/v1/completions", {"prompt": ""}, 400, None),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ],
+)
 def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, path, body, status, param):
     url = server[0]
     r = _post(url, path, body)
@@ -154,8 +200,11 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, path, bod
 
 
 def test_malformed_json_names_no_field(server):
-    r = httpx.post(server[0] + "/v1/completions", content=b'{"prompt": "Hi", "max_tokens": }',
-                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = httpx.post(
+        server[0] + "/v1/completions",
+        content=b'{"prompt": "Hi", "max_tokens": }',
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] is None and error["message"].startswith("invalid JSON")
 
@@ -168,13 +217,19 @@ def test_api_key_required(server):
 def test_64_concurrent_streams(server, client):
     llm = server[2]
     prompts = [f"Hello {i}" for i in range(64)]
-    expected = {p: o.outputs[0].text for p, o in zip(prompts, llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))}
+    expected = {
+        p: o.outputs[0].text
+        for p, o in zip(
+            prompts,
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False),
+        )
+    }
     aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
 
     async def one(p):
-        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True,
-                                                  extra_body={"ignore_eos": True})
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         return p, "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def main():
@@ -203,14 +258,19 @@ def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
     else:
         real_abort = background.abort
         monkeypatch.setattr(background, "abort", lambda rid: (aborted.append((rid, 0)), real_abort(rid)))
-    with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True},
+    ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break  # leave mid-stream
     deadline = time.time() + 10
-    while time.time() < deadline and (background.get_metrics()["num_running"] or background.get_metrics()["num_waiting"]
-                                      or not aborted):
+    while time.time() < deadline and (
+        background.get_metrics()["num_running"] or background.get_metrics()["num_waiting"] or not aborted
+    ):
         time.sleep(0.05)
     assert engine is None or not engine.has_unfinished_requests()
     assert len(aborted) == 1 and aborted[0][0].startswith("cmpl-")
@@ -228,8 +288,18 @@ def test_serving_benchmark(server, tmp_path):
     engine = server[3]
     on_step = engine.on_step
     probe = EngineProbe(engine)
-    summary = run_serve_bench(server[0], MODEL, num_prompts=12, concurrency=4, input_len=20, output_len=6,
-                              vocab_size=300, api_key=KEY, save_dir=str(tmp_path), probe=probe)
+    summary = run_serve_bench(
+        server[0],
+        MODEL,
+        num_prompts=12,
+        concurrency=4,
+        input_len=20,
+        output_len=6,
+        vocab_size=300,
+        api_key=KEY,
+        save_dir=str(tmp_path),
+        probe=probe,
+    )
     assert summary["failed"] == 0 and summary["requests"] == 12
     assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
     # the engine stepped at least once per output token of a request, and is unwrapped again
@@ -245,18 +315,34 @@ def test_serving_benchmark(server, tmp_path):
 def test_echo_token_prompts_and_chat_tokenize(server, client):
     url, llm = server[0], server[2]
     tok = llm.get_tokenizer()
-    echoed = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, echo=True,
-                                       extra_body={"ignore_eos": True}).choices[0].text
-    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0,
-                                      extra_body={"ignore_eos": True}).choices[0].text
+    echoed = (
+        client.completions.create(
+            model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, echo=True, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    plain = (
+        client.completions.create(
+            model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert echoed == "Hello world" + plain
-    by_ids = client.completions.create(model=MODEL, prompt=tok.encode("Hello world"), max_tokens=4, temperature=0,
-                                       extra_body={"ignore_eos": True}).choices[0].text
+    by_ids = (
+        client.completions.create(
+            model=MODEL, prompt=tok.encode("Hello world"), max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     assert by_ids == plain
     msgs = [{"role": "user", "content": "Hi"}]
     toks = httpx.post(url + "/tokenize", json={"messages": msgs}).json()["tokens"]
-    assert toks == tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                              add_special_tokens=False)
+    assert toks == tok.encode(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
     assert chat.usage.prompt_tokens == len(toks)
 

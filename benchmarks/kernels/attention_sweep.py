@@ -14,6 +14,7 @@ Usage: PYTHONPATH=. python benchmarks/kernels/attention_sweep.py
          the decode kernel (kernels/decode_attention.py) as a mixed-step graph of 128 tokens runs it:
          64 decodes over 560-623 keys beside a 64-token prompt chunk, 128 sequence slots, over the
          splits and the fewest keys per split; and as a decode step of the same 64 runs it."""
+
 import itertools
 import sys
 
@@ -47,11 +48,26 @@ def main(only_splits: bool = False) -> None:
         flops = 4 * HEADS * DIM * sum(cached + i + 1 for i in range(new))
 
         def time(bm, bn, warps, stages, reverse=False, splits=None):
-            work = torch.from_numpy(prefill_work([new], bm)[::-1 if reverse else 1].copy()).cuda()
-            return bench(lambda: prefill_attention_triton(query, kc, vc, tables, ctx, qsl, DIM ** -0.5, new, block_m=bm,
-                                                          block_n=bn, work=work, num_warps=warps, num_stages=stages,
-                                                          splits=splits),
-                         reps=20)
+            work = torch.from_numpy(prefill_work([new], bm)[:: -1 if reverse else 1].copy()).cuda()
+            return bench(
+                lambda: prefill_attention_triton(
+                    query,
+                    kc,
+                    vc,
+                    tables,
+                    ctx,
+                    qsl,
+                    DIM**-0.5,
+                    new,
+                    block_m=bm,
+                    block_n=bn,
+                    work=work,
+                    num_warps=warps,
+                    num_stages=stages,
+                    splits=splits,
+                ),
+                reps=20,
+            )
 
         results = []
         for cfg in [] if only_splits else itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
@@ -62,8 +78,11 @@ def main(only_splits: bool = False) -> None:
         results.sort()
         results += [] if only_splits else [(time(*results[0][1], reverse=True), results[0][1], True)]
         for t, cfg, reverse in results[:3] + [r for r in results if r[1] == DEFAULT] + results[-1:]:
-            print(f"{name:13s} BLOCK_M={cfg[0]:3d} BLOCK_N={cfg[1]:3d} warps={cfg[2]} stages={cfg[3]}"
-                  f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
+            print(
+                f"{name:13s} BLOCK_M={cfg[0]:3d} BLOCK_N={cfg[1]:3d} warps={cfg[2]} stages={cfg[3]}"
+                f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s",
+                flush=True,
+            )
         if cached > 3 * new:  # few queries over a long prefix: other key splits than num_splits() gives
             for bn, splits in itertools.product((32, 64, 128), (1, 2, 4, 8, 16, 32, 64)):
                 try:
@@ -71,8 +90,10 @@ def main(only_splits: bool = False) -> None:
                 except Exception as e:  # (a sweep goes on)
                     print(f"{name:13s} BLOCK_N={bn:3d} splits={splits:2d}: {type(e).__name__}: {e}", flush=True)
                     continue
-                print(f"{name:13s} BLOCK_M= 64 BLOCK_N={bn:3d} warps=4 stages=2 splits={splits:2d}: {t * 1e6:7.1f} us",
-                      flush=True)
+                print(
+                    f"{name:13s} BLOCK_M= 64 BLOCK_N={bn:3d} warps=4 stages=2 splits={splits:2d}: {t * 1e6:7.1f} us",
+                    flush=True,
+                )
 
 
 def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
@@ -90,17 +111,29 @@ def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
     qsl = torch.full((slots + 1,), tokens, dtype=torch.int64, device="cuda")
     qsl[: decodes + 1] = torch.arange(decodes + 1, device="cuda")
     query, out = torch.randn(tokens, HEADS, DIM, **bf16), torch.empty(tokens, HEADS, DIM, **bf16)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     for splits in (1, 2, 4, 8):  # (a decode step takes num_splits(); one split needs no merge kernel)
-        t = bench(lambda: decode_attention_triton(query[:decodes], kc, vc, tables[:decodes], ctx[:decodes], scale,
-                                                  splits), reps=20)
-        print(f"decode step, {decodes} sequences, {splits} splits"
-              f"{' (the default)' if splits == num_splits(decodes, KV_HEADS) else ''}: {t * 1e6:6.1f} us", flush=True)
+        t = bench(
+            lambda: decode_attention_triton(query[:decodes], kc, vc, tables[:decodes], ctx[:decodes], scale, splits),
+            reps=20,
+        )
+        print(
+            f"decode step, {decodes} sequences, {splits} splits"
+            f"{' (the default)' if splits == num_splits(decodes, KV_HEADS) else ''}: {t * 1e6:6.1f} us",
+            flush=True,
+        )
     for splits, min_keys in itertools.product((2, 4, 8, 16), (32, 64, 128, 192, 256, 320, 512)):
-        t = bench(lambda: decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl,
-                                                  out=out, min_keys=min_keys), reps=20)
-        print(f"mixed step, {decodes} decodes in {slots} slots, {splits:2d} splits of at least {min_keys:3d} keys: "
-              f"{t * 1e6:6.1f} us", flush=True)
+        t = bench(
+            lambda: decode_attention_triton(
+                query, kc, vc, tables, ctx, scale, splits, query_start_loc=qsl, out=out, min_keys=min_keys
+            ),
+            reps=20,
+        )
+        print(
+            f"mixed step, {decodes} decodes in {slots} slots, {splits:2d} splits of at least {min_keys:3d} keys: "
+            f"{t * 1e6:6.1f} us",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Usage: PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py [ROWS ...]  (default
          each layer its own weights, replayed from one CUDA graph (with programmatic dependent launch,
          as in the engine); for each projection in turn, every candidate tile
          with the others at their defaults; then the best of each together."""
+
 import itertools
 import sys
 import time
@@ -19,8 +20,13 @@ import torch.nn.functional as F
 
 from picovllm.kernels.gemv import gemv_config, gemv_triton
 
-SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960),
-          "lm_head": (151936, 1536)}
+SHAPES = {
+    "qkv": (2048, 1536),
+    "o": (1536, 1536),
+    "gate_up": (17920, 1536),
+    "down": (1536, 8960),
+    "lm_head": (151936, 1536),
+}
 
 
 def bench(fn, reps: int = 50, rounds: int = 1) -> float:
@@ -64,15 +70,24 @@ def main(row_counts: list[int]) -> None:
                 if cfg["BLOCK_K"] > 2 * k:
                     continue
                 try:
-                    results.append((bench(lambda: gemv_triton(x, w, config={**cfg, "num_warps": warps}), reps=20),
-                                    cfg["BLOCK_N"], cfg["BLOCK_K"], warps))
+                    results.append(
+                        (
+                            bench(lambda: gemv_triton(x, w, config={**cfg, "num_warps": warps}), reps=20),
+                            cfg["BLOCK_N"],
+                            cfg["BLOCK_K"],
+                            warps,
+                        )
+                    )
                 except Exception:  # a tile too large for the registers or shared memory
                     continue
             results.sort()
             t, bn, bk, warps = results[0]
-            print(f"rows={rows} {name:8s} cuBLAS {t_cublas * 1e6:7.1f}us {gb / t_cublas:6.0f}GB/s | default "
-                  f"{gemv_config(rows, n, k)} {t_default * 1e6:7.1f}us {gb / t_default:6.0f}GB/s | best BLOCK_N={bn} "
-                  f"BLOCK_K={bk} warps={warps} {t * 1e6:7.1f}us {gb / t:6.0f}GB/s", flush=True)
+            print(
+                f"rows={rows} {name:8s} cuBLAS {t_cublas * 1e6:7.1f}us {gb / t_cublas:6.0f}GB/s | default "
+                f"{gemv_config(rows, n, k)} {t_default * 1e6:7.1f}us {gb / t_default:6.0f}GB/s | best BLOCK_N={bn} "
+                f"BLOCK_K={bk} warps={warps} {t * 1e6:7.1f}us {gb / t:6.0f}GB/s",
+                flush=True,
+            )
 
 
 CHAIN_LAYERS = 28
@@ -81,8 +96,10 @@ CHAIN_LAYERS = 28
 def chain(reps: int = 20, rounds: int = 5) -> None:
     dev, dt = "cuda", torch.bfloat16
     hidden, eps = 1536, 1e-6
-    layers = [{name: torch.randn(*SHAPES[name], device=dev, dtype=dt) * 0.02 for name in ("qkv", "o", "gate_up", "down")}
-              for _ in range(CHAIN_LAYERS)]
+    layers = [
+        {name: torch.randn(*SHAPES[name], device=dev, dtype=dt) * 0.02 for name in ("qkv", "o", "gate_up", "down")}
+        for _ in range(CHAIN_LAYERS)
+    ]
     lm_head = torch.randn(*SHAPES["lm_head"], device=dev, dtype=dt) * 0.02
     qkv_bias, norm_w = torch.randn(2048, device=dev, dtype=dt), torch.ones(hidden, device=dev, dtype=dt)
     h = torch.randn(1, hidden, device=dev, dtype=dt)
@@ -110,10 +127,16 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
             yield dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
 
     base = timed({})
-    defaults = {p: gemv_config(1, n // 2 if p == "gate_up" else n, k, norm=p in ("qkv", "gate_up", "lm_head"),
-                               silu_mul=p == "gate_up") for p, (n, k) in SHAPES.items()}
-    print(f"chain of {4 * CHAIN_LAYERS + 1} GEMVs at one row, default tiles: {base:.1f} us per step ({defaults})",
-          flush=True)
+    defaults = {
+        p: gemv_config(
+            1, n // 2 if p == "gate_up" else n, k, norm=p in ("qkv", "gate_up", "lm_head"), silu_mul=p == "gate_up"
+        )
+        for p, (n, k) in SHAPES.items()
+    }
+    print(
+        f"chain of {4 * CHAIN_LAYERS + 1} GEMVs at one row, default tiles: {base:.1f} us per step ({defaults})",
+        flush=True,
+    )
     best = {}
     for name in SHAPES:
         results = []
@@ -124,9 +147,11 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
                 continue
         results.sort(key=lambda r: r[0])
         again = timed({})
-        print(f"{name:8s} default {base:.1f} (again {again:.1f}) | best: "
-              + "; ".join(f"{t:.1f} bn={c['BLOCK_N']} bk={c['BLOCK_K']} w={c['num_warps']}" for t, c in results[:4]),
-              flush=True)
+        print(
+            f"{name:8s} default {base:.1f} (again {again:.1f}) | best: "
+            + "; ".join(f"{t:.1f} bn={c['BLOCK_N']} bk={c['BLOCK_K']} w={c['num_warps']}" for t, c in results[:4]),
+            flush=True,
+        )
         if results and results[0][0] < min(base, again) - 2.0:
             best[name] = results[0][1]
     if best:

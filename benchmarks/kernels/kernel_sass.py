@@ -7,6 +7,7 @@ tiles, 16 splits) and as a batch-1 decode step runs the decode kernel (32 splits
 Usage: PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py
 Integer arguments are given as Triton would see them at launch: strides of 1 as constants, the
 others divisible by 16 (the block-table row stride is not specialised)."""
+
 import os
 import re
 import subprocess
@@ -16,17 +17,53 @@ from compile_kernels import compile_sm90  # tests/compile_kernels.py
 
 from picovllm.kernels import decode_attention, prefill_attention
 
-ATTENTION_POINTERS = {"q": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i64",
-                      "context_lens": "*i64", "query_start_loc": "*i64", "work": "*i64", "out": "*bf16",
-                      "part_acc": "*fp32", "part_ml": "*fp32", "part_m": "*fp32", "part_l": "*fp32"}
+ATTENTION_POINTERS = {
+    "q": "*bf16",
+    "k_cache": "*bf16",
+    "v_cache": "*bf16",
+    "block_tables": "*i64",
+    "context_lens": "*i64",
+    "query_start_loc": "*i64",
+    "work": "*i64",
+    "out": "*bf16",
+    "part_acc": "*fp32",
+    "part_ml": "*fp32",
+    "part_m": "*fp32",
+    "part_l": "*fp32",
+}
 UNIT_STRIDES = dict.fromkeys(("s_qd", "c_kd", "c_vd", "s_tw"), 1)  # (constants at launch)
 KERNELS = {
-    "prefill (warm hit, 64 x 32 tiles, 16 splits)": (prefill_attention._prefill_kernel, dict(
-        BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, PRECISION="tf32", SPLITS=16, MIN_PART=64,
-        USE_PDL=True), 4),
-    "decode (batch 1, 32 splits)": (decode_attention._decode_partition_kernel, dict(
-        BLOCK_SIZE=16, HEAD_DIM=128, SPLITS=32, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, MIN_PART=32, PRECISION="tf32",
-        MIXED=False, USE_PDL=True), 4),
+    "prefill (warm hit, 64 x 32 tiles, 16 splits)": (
+        prefill_attention._prefill_kernel,
+        dict(
+            BLOCK_SIZE=16,
+            HEAD_DIM=128,
+            BLOCK_M=64,
+            BLOCK_N=32,
+            BLOCK_D=128,
+            PRECISION="tf32",
+            SPLITS=16,
+            MIN_PART=64,
+            USE_PDL=True,
+        ),
+        4,
+    ),
+    "decode (batch 1, 32 splits)": (
+        decode_attention._decode_partition_kernel,
+        dict(
+            BLOCK_SIZE=16,
+            HEAD_DIM=128,
+            SPLITS=32,
+            BLOCK_N=32,
+            BLOCK_G=16,
+            BLOCK_D=128,
+            MIN_PART=32,
+            PRECISION="tf32",
+            MIXED=False,
+            USE_PDL=True,
+        ),
+        4,
+    ),
 }
 
 
@@ -53,16 +90,27 @@ def sass_lines(kernel) -> list[tuple[int, str]]:
 def main() -> None:
     for name, (fn, constants, warps) in KERNELS.items():
         divisible = [n for n in fn.arg_names if n not in ("s_tb", "scale", "group")]
-        kernel = compile_sm90(fn, ATTENTION_POINTERS, {**UNIT_STRIDES, **constants}, divisible=divisible,
-                              num_warps=warps, num_stages=2)
+        kernel = compile_sm90(
+            fn, ATTENTION_POINTERS, {**UNIT_STRIDES, **constants}, divisible=divisible, num_warps=warps, num_stages=2
+        )
         lines, labels = sass_lines(kernel)
-        loops = [(labels[m.group(1)], address) for address, text in lines
-                 if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(m.group(1), address) < address]
+        loops = [
+            (labels[m.group(1)], address)
+            for address, text in lines
+            if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(m.group(1), address) < address
+        ]
         bodies = sorted(sum(start <= a <= end for a, _ in lines) for start, end in loops)
-        calls = sorted({re.sub(r".*\$__internal_\d+_\$__cuda_sm\d+_", "", t).rstrip(")` ") for _, t in lines
-                        if t.startswith("CALL")})
-        print(f"{name}: {len(lines)} SASS instructions, loops of {' / '.join(map(str, bodies))}, shared memory "
-              f"{kernel.metadata.shared} B, calls: {', '.join(calls) or 'none'}")
+        calls = sorted(
+            {
+                re.sub(r".*\$__internal_\d+_\$__cuda_sm\d+_", "", t).rstrip(")` ")
+                for _, t in lines
+                if t.startswith("CALL")
+            }
+        )
+        print(
+            f"{name}: {len(lines)} SASS instructions, loops of {' / '.join(map(str, bodies))}, shared memory "
+            f"{kernel.metadata.shared} B, calls: {', '.join(calls) or 'none'}"
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ kernel starts while the previous one drains, so the kernels' times overlap and n
 to the step (2.19 ms of kernel time in a 1.50 ms step at batch 1). The wall times printed are
 without it too, except in `serve`, which runs the engine's defaults (PDL on) and reads no kernel
 times."""
+
 import collections
 import gc
 import sys
@@ -44,18 +45,23 @@ STEPS = 10
 def report(prof, steps: int, label: str) -> None:
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events)
-    print(f"{label}: GPU kernel time per step {total / steps / 1e3:.3f} ms, "
-          f"kernels per step {sum(e.count for e in events) / steps:.0f}")
+    print(
+        f"{label}: GPU kernel time per step {total / steps / 1e3:.3f} ms, "
+        f"kernels per step {sum(e.count for e in events) / steps:.0f}"
+    )
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"{e.self_device_time_total / steps:9.1f} us/step  x{e.count / steps:5.0f}  {e.key[:90]}")
 
 
 def decode(batch: int, eager: bool) -> None:
-    llm = LLM("dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, enforce_eager=eager,
-              gpu_memory_utilization=0.5)
+    llm = LLM(
+        "dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, enforce_eager=eager, gpu_memory_utilization=0.5
+    )
     engine = llm.llm_engine
     for i in range(batch):
-        engine.add_request(str(i), list(range(100, 228)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        engine.add_request(
+            str(i), list(range(100, 228)), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        )
     for _ in range(20):
         engine.step()
     torch.cuda.synchronize()
@@ -79,6 +85,7 @@ def timeline(llm, prompts: list, params: SamplingParams) -> None:
             out = fn(*args, **kwargs)
             marks[name + "1"] = time.perf_counter()
             return out
+
         return call
 
     def launch(batch, pending=None):
@@ -89,7 +96,11 @@ def timeline(llm, prompts: list, params: SamplingParams) -> None:
         return out
 
     original = engine.scheduler.schedule, engine._launch, engine.step
-    engine.scheduler.schedule, engine._launch, engine.step = timed("schedule", original[0]), launch, timed("step", original[2])
+    engine.scheduler.schedule, engine._launch, engine.step = (
+        timed("schedule", original[0]),
+        launch,
+        timed("step", original[2]),
+    )
     rows = []
     try:
         for p in prompts:
@@ -98,14 +109,22 @@ def timeline(llm, prompts: list, params: SamplingParams) -> None:
             llm.generate(p, params, use_tqdm=False)
             end = time.perf_counter()
             torch.cuda.synchronize()
-            rows.append(((end - start) * 1e3, (marks["step0"] - start) * 1e3,
-                         (marks["schedule1"] - marks["schedule0"]) * 1e3, (marks["launch1"] - marks["launch0"]) * 1e3,
-                         marks["events"][0].elapsed_time(marks["events"][1])))
+            rows.append(
+                (
+                    (end - start) * 1e3,
+                    (marks["step0"] - start) * 1e3,
+                    (marks["schedule1"] - marks["schedule0"]) * 1e3,
+                    (marks["launch1"] - marks["launch0"]) * 1e3,
+                    marks["events"][0].elapsed_time(marks["events"][1]),
+                )
+            )
     finally:
         engine.scheduler.schedule, engine._launch, engine.step = original
     med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
-    print(f"timeline (median ms of {len(rows)}): generate {med[0]:.2f} = before the step {med[1]:.2f}, schedule "
-          f"{med[2]:.2f}, launch (host) {med[3]:.2f}; GPU from the launch's start to its end {med[4]:.2f}")
+    print(
+        f"timeline (median ms of {len(rows)}): generate {med[0]:.2f} = before the step {med[1]:.2f}, schedule "
+        f"{med[2]:.2f}, launch (host) {med[3]:.2f}; GPU from the launch's start to its end {med[4]:.2f}"
+    )
 
 
 def warm_prefill(cached: int = 2083, new: int = 40) -> None:
@@ -126,7 +145,10 @@ def warm_prefill(cached: int = 2083, new: int = 40) -> None:
             assert out.num_cached_tokens == cached // 16 * 16, out.num_cached_tokens
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / STEPS
-    print(f"{'warm' if cached else 'cold'} prefill, {cached} cached + {new} new tokens: wall {wall * 1e3:.2f} ms per request (profiled)")
+    print(
+        f"{'warm' if cached else 'cold'} prefill, {cached} cached + {new} new tokens: "
+        f"wall {wall * 1e3:.2f} ms per request (profiled)"
+    )
     report(prof, STEPS, "warm prefill")
 
 
@@ -150,8 +172,10 @@ def mixed(batch: int = 64, new: int = 448) -> None:
     for _ in range(STEPS):
         step()
     torch.cuda.synchronize()
-    print(f"mixed step, {batch} decodes + {new} prompt tokens: wall {(time.perf_counter() - start) / STEPS * 1e3:.2f} "
-          f"ms per step (not profiled)")
+    print(
+        f"mixed step, {batch} decodes + {new} prompt tokens: wall {(time.perf_counter() - start) / STEPS * 1e3:.2f} "
+        f"ms per step (not profiled)"
+    )
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
             step()
@@ -159,11 +183,24 @@ def mixed(batch: int = 64, new: int = 448) -> None:
     report(prof, STEPS, "mixed step")
 
 
-def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, host_profiled: bool = False,
-                steps: int = 1500, warmup: int = 300,
-                model: str = "dummy:qwen2.5-1.5b", device: str = "cuda") -> list[tuple]:
-    llm = LLM(model, device=device, skip_tokenizer_init=True, gpu_memory_utilization=0.5, max_num_seqs=clients,
-              max_num_batched_tokens=budget)
+def serve_steps(
+    budget: int = 128,
+    clients: int = 64,
+    profiled: bool = False,
+    host_profiled: bool = False,
+    steps: int = 1500,
+    warmup: int = 300,
+    model: str = "dummy:qwen2.5-1.5b",
+    device: str = "cuda",
+) -> list[tuple]:
+    llm = LLM(
+        model,
+        device=device,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=clients,
+        max_num_batched_tokens=budget,
+    )
     engine = llm.llm_engine
     launched, launch = collections.deque(), engine._launch
 
@@ -176,9 +213,17 @@ def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, ho
         step = launch(batch, pending)
         took = (time.perf_counter() - t0) * 1e3
         marks[1].record()  # the GPU time between the two marks is this step's own work (and any wait for the host)
-        launched.append((sum(n == 1 for n in new), sum(n for n in new if n > 1), pending is not None,
-                         len(prompts), any(r.num_computed_tokens == n for r, n in zip(batch.requests, new) if n > 1),
-                         took, marks))
+        launched.append(
+            (
+                sum(n == 1 for n in new),
+                sum(n for n in new if n > 1),
+                pending is not None,
+                len(prompts),
+                any(r.num_computed_tokens == n for r, n in zip(batch.requests, new) if n > 1),
+                took,
+                marks,
+            )
+        )
         return step
 
     engine._launch = counted_launch
@@ -193,8 +238,11 @@ def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, ho
     def add():
         i = added[0]
         added[0] += 1
-        engine.add_request(str(i), [(100 + i * 7 + j) % engine.model_config.vocab_size for j in range(512)],
-                           SamplingParams(max_tokens=128, ignore_eos=True))
+        engine.add_request(
+            str(i),
+            [(100 + i * 7 + j) % engine.model_config.vocab_size for j in range(512)],
+            SamplingParams(max_tokens=128, ignore_eos=True),
+        )
 
     def run(n: int) -> None:  # (after the timed loop: the profiles' steps)
         for _ in range(n):
@@ -211,8 +259,20 @@ def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, ho
         now = time.perf_counter()
         decodes, prompt_tokens, ahead, prompts, first_chunk, took, marks = launched.popleft()
         if i >= warmup:  # (interval ms, decodes, prompt tokens, launched ahead, a collection ran, ...)
-            rows.append([(now - last) * 1e3, decodes, prompt_tokens, ahead, collections_started[0] > before,
-                         prompts, first_chunk, took, (engine.host_time_s - host) * 1e3, marks])
+            rows.append(
+                [
+                    (now - last) * 1e3,
+                    decodes,
+                    prompt_tokens,
+                    ahead,
+                    collections_started[0] > before,
+                    prompts,
+                    first_chunk,
+                    took,
+                    (engine.host_time_s - host) * 1e3,
+                    marks,
+                ]
+            )
         last = now
         for out in outs:
             if out.finished:
@@ -221,31 +281,45 @@ def serve_steps(budget: int = 128, clients: int = 64, profiled: bool = False, ho
     gc.callbacks.remove(on_gc)
     for r in rows:  # GPU ms of the step's own work (launched ahead, so not the time it waited)
         r[-1] = r[-1][0].elapsed_time(r[-1][1])
+
     def pick(values: list[float], q: float) -> float:  # (values sorted)
         return values[min(len(values) - 1, int(q * len(values)))]
 
     ms = sorted(r[0] for r in rows)
-    print(f"serving steps, budget {budget}, {clients} clients, {len(rows)} steps: interval ms p50 {pick(ms, 0.5):.2f} "
-          f"p90 {pick(ms, 0.9):.2f} p99 {pick(ms, 0.99):.2f} max {ms[-1]:.2f}")
-    for label, sel in (("all steps", rows), ("slowest 5%", [r for r in rows if r[0] >= pick(ms, 0.95)]),
-                       ("slowest 1%", [r for r in rows if r[0] >= pick(ms, 0.99)])):
+    print(
+        f"serving steps, budget {budget}, {clients} clients, {len(rows)} steps: interval ms p50 {pick(ms, 0.5):.2f} "
+        f"p90 {pick(ms, 0.9):.2f} p99 {pick(ms, 0.99):.2f} max {ms[-1]:.2f}"
+    )
+    for label, sel in (
+        ("all steps", rows),
+        ("slowest 5%", [r for r in rows if r[0] >= pick(ms, 0.95)]),
+        ("slowest 1%", [r for r in rows if r[0] >= pick(ms, 0.99)]),
+    ):
         k = max(len(sel), 1)
-        print(f"  {label:11s} ({len(sel):4d}): decodes {sum(r[1] for r in sel) / k:5.1f}, prompt tokens "
-              f"{sum(r[2] for r in sel) / k:5.1f}, no prompt tokens {sum(r[2] == 0 for r in sel) / k:5.1%}, "
-              f"launched ahead {sum(r[3] for r in sel) / k:5.1%}, a GC collection {sum(r[4] for r in sel) / k:5.1%}")
+        print(
+            f"  {label:11s} ({len(sel):4d}): decodes {sum(r[1] for r in sel) / k:5.1f}, prompt tokens "
+            f"{sum(r[2] for r in sel) / k:5.1f}, no prompt tokens {sum(r[2] == 0 for r in sel) / k:5.1%}, "
+            f"launched ahead {sum(r[3] for r in sel) / k:5.1%}, a GC collection {sum(r[4] for r in sel) / k:5.1%}"
+        )
     gpu, host = sorted(r[-1] for r in rows), sorted(r[-2] for r in rows)
-    print(f"  mean interval {sum(ms) / len(ms):.2f} ms, mean GPU time {sum(gpu) / len(gpu):.2f} ms; host ms per step "
-          f"(not waiting for the GPU) p50 {pick(host, 0.5):.2f} p90 {pick(host, 0.9):.2f} p99 {pick(host, 0.99):.2f}")
-    print(f"  GPU ms per step p50 {pick(gpu, 0.5):.2f} p90 {pick(gpu, 0.9):.2f} p99 {pick(gpu, 0.99):.2f} "
-          f"max {gpu[-1]:.2f}")
+    print(
+        f"  mean interval {sum(ms) / len(ms):.2f} ms, mean GPU time {sum(gpu) / len(gpu):.2f} ms; host ms per step "
+        f"(not waiting for the GPU) p50 {pick(host, 0.5):.2f} p90 {pick(host, 0.9):.2f} p99 {pick(host, 0.99):.2f}"
+    )
+    print(
+        f"  GPU ms per step p50 {pick(gpu, 0.5):.2f} p90 {pick(gpu, 0.9):.2f} p99 {pick(gpu, 0.99):.2f} "
+        f"max {gpu[-1]:.2f}"
+    )
     for k in sorted({r[5] for r in rows}):
         for first in (False, True):
             sel = sorted(r[-1] for r in rows if r[5] == k and r[6] == first)
             took = sorted(r[7] for r in rows if r[5] == k and r[6] == first)
             if sel:
-                print(f"  {k} prompts{', one a first chunk' if first else ''}: {len(sel)} steps, GPU ms p50 "
-                      f"{pick(sel, 0.5):.2f} p90 {pick(sel, 0.9):.2f} max {sel[-1]:.2f}; "
-                      f"launch (host) ms p50 {pick(took, 0.5):.2f} p90 {pick(took, 0.9):.2f}")
+                print(
+                    f"  {k} prompts{', one a first chunk' if first else ''}: {len(sel)} steps, GPU ms p50 "
+                    f"{pick(sel, 0.5):.2f} p90 {pick(sel, 0.9):.2f} max {sel[-1]:.2f}; "
+                    f"launch (host) ms p50 {pick(took, 0.5):.2f} p90 {pick(took, 0.9):.2f}"
+                )
     if host_profiled:  # where the host time of 300 more steps goes (cProfile: slower steps, the same calls)
         import cProfile
         import pstats

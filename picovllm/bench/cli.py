@@ -1,4 +1,5 @@
 """`picovllm bench latency|throughput|prefix|serve`."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,51 +25,82 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     bench.set_defaults(parser=bench)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
-    lat = kinds.add_parser("latency", parents=[engine_parser], help="decode speed at fixed batch sizes",
-                           description="Decode ms/step, tok/s and achieved memory bandwidth per batch size.")
+    lat = kinds.add_parser(
+        "latency",
+        parents=[engine_parser],
+        help="decode speed at fixed batch sizes",
+        description="Decode ms/step, tok/s and achieved memory bandwidth per batch size.",
+    )
     lat.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)")
     lat.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (default 128)")
     lat.add_argument("--output-len", type=positive_int, default=512, help="generated tokens (default 512)")
-    lat.add_argument("--hf", action="append", default=[], choices=["eager", "compiled"],
-                     help="also run Hugging Face transformers in this mode (repeatable)")
+    lat.add_argument(
+        "--hf",
+        action="append",
+        default=[],
+        choices=["eager", "compiled"],
+        help="also run Hugging Face transformers in this mode (repeatable)",
+    )
     lat.add_argument("--repeat", type=positive_int, default=1, help="time each run this many times and keep the best")
     lat.add_argument("--plot", default=None, metavar="PNG", help="save a plot of tok/s and bandwidth here")
     lat.add_argument("--seed", type=non_negative_int, default=0)
     lat.set_defaults(func=_latency, parser=lat)
 
-    thr = kinds.add_parser("throughput", parents=[engine_parser], help="offline throughput",
-                           description="256 requests, lengths uniform in [100, 1024], ignore_eos, T=0.6.")
+    thr = kinds.add_parser(
+        "throughput",
+        parents=[engine_parser],
+        help="offline throughput",
+        description="256 requests, lengths uniform in [100, 1024], ignore_eos, T=0.6.",
+    )
     thr.add_argument("--num-prompts", type=positive_int, default=256)
     thr.add_argument("--min-len", type=positive_int, default=100)
     thr.add_argument("--max-len", type=positive_int, default=1024)
     thr.add_argument("--seed", type=non_negative_int, default=0)
     thr.set_defaults(func=_throughput, parser=thr)
 
-    pre = kinds.add_parser("prefix", parents=[engine_parser], help="prefix caching: TTFT, hit rate, cost",
-                           description="Shared system prompts, a long shared prefix, and no sharing; "
-                                       "cache on against off.")
+    pre = kinds.add_parser(
+        "prefix",
+        parents=[engine_parser],
+        help="prefix caching: TTFT, hit rate, cost",
+        description="Shared system prompts, a long shared prefix, and no sharing; cache on against off.",
+    )
     pre.add_argument("--repeat", type=positive_int, default=3, help="wall-time runs per engine, best kept")
     pre.add_argument("--seed", type=non_negative_int, default=0)
     pre.set_defaults(func=_prefix, parser=pre)
 
-    srv = kinds.add_parser("serve", parents=[engine_parser], help="the HTTP server under streaming load",
-                           description="Streaming clients against /v1/completions: throughput, TTFT, TPOT, ITL. "
-                                       "Without --base-url, starts a server in-process with the engine options.")
+    srv = kinds.add_parser(
+        "serve",
+        parents=[engine_parser],
+        help="the HTTP server under streaming load",
+        description="Streaming clients against /v1/completions: throughput, TTFT, TPOT, ITL. "
+        "Without --base-url, starts a server in-process with the engine options.",
+    )
     srv.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--api-key", default=None)
-    srv.add_argument("--num-prompts", type=positive_int, default=1000,
-                     help="requests in all (vLLM's default; with fewer, the start and the drain weigh on the percentiles)")
+    srv.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=1000,
+        help="requests in all (vLLM's default; with fewer, the start and the drain weigh on the percentiles)",
+    )
     srv.add_argument("--concurrency", type=positive_int, default=64)
     srv.add_argument("--request-rate", type=_rate, default=float("inf"), help="requests/s (Poisson); default: all")
     srv.add_argument("--input-len", type=positive_int, default=512)
     srv.add_argument("--output-len", type=positive_int, default=128)
-    srv.add_argument("--disable-frontend-multiprocessing", action="store_true",
-                     help="in-process server: the engine on a thread of the server's process (as `picovllm serve`)")
+    srv.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="in-process server: the engine on a thread of the server's process (as `picovllm serve`)",
+    )
     srv.add_argument("--save-dir", default=None, help="write serve_results.json and serve_latency.png here")
     srv.add_argument("--seed", type=non_negative_int, default=0)
-    srv.add_argument("--client-processes", type=positive_int, default=None,
-                     help="processes the clients are spread over; default: half the CPUs, at most 8")
+    srv.add_argument(
+        "--client-processes",
+        type=positive_int,
+        default=None,
+        help="processes the clients are spread over; default: half the CPUs, at most 8",
+    )
     srv.set_defaults(func=_serve, parser=srv)
 
 
@@ -77,8 +109,7 @@ def _latency(args: argparse.Namespace) -> int:
 
     kwargs = engine_kwargs(args)
     kwargs.pop("max_num_seqs")
-    run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed, args.repeat,
-                args.plot)
+    run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed, args.repeat, args.plot)
     return 0
 
 
@@ -110,10 +141,21 @@ def _serve(args: argparse.Namespace) -> int:
         url, stop = serve_in_thread(build_app(engine, name, args.api_key))
     try:
         with frozen_heap() if stop is not None else contextlib.nullcontext():  # (as picovllm serve)
-            run_serve_bench(url, name, args.num_prompts, args.concurrency, args.request_rate, args.input_len,
-                            args.output_len, vocab, args.api_key, args.seed, args.save_dir,
-                            client_processes=args.client_processes,
-                            probe=EngineProbe(engine) if stop is not None else None)
+            run_serve_bench(
+                url,
+                name,
+                args.num_prompts,
+                args.concurrency,
+                args.request_rate,
+                args.input_len,
+                args.output_len,
+                vocab,
+                args.api_key,
+                args.seed,
+                args.save_dir,
+                client_processes=args.client_processes,
+                probe=EngineProbe(engine) if stop is not None else None,
+            )
     finally:
         if stop is not None:
             stop()

@@ -1,5 +1,6 @@
 """Shared benchmark helpers: the memory-bandwidth and GEMM ceilings, model byte and FLOP counts,
 result tables."""
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return _rate(lambda: a @ b, 2 * n ** 3, device, 20 if device.type == "cuda" else 3)
+    return _rate(lambda: a @ b, 2 * n**3, device, 20 if device.type == "cuda" else 3)
 
 
 def forward_flops(model: torch.nn.Module, num_new: int, num_cached: int) -> int:
@@ -47,8 +48,11 @@ def forward_flops(model: torch.nn.Module, num_new: int, num_cached: int) -> int:
     the last: every linear layer's weights once per token (2 FLOPs per weight), causal attention
     (QK^T and PV over each query's keys, its own included), the LM head for one row."""
     cfg = model.config
-    linear = sum(p.numel() for name, p in model.named_parameters()
-                 if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name)
+    linear = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name
+    )
     keys = num_new * num_cached + num_new * (num_new + 1) // 2  # summed over the new queries
     attention = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers * keys
     return 2 * linear * num_new + attention + 2 * cfg.vocab_size * cfg.hidden_size
@@ -98,8 +102,9 @@ def plot_latency(rows: list[dict], path: str) -> None:
     for system in systems:
         pts = sorted((r["batch"], r["decode_tok_s"], r["bw_frac"]) for r in rows if r["system"] == system)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{system} tok/s")
-        ax2.plot([p[0] for p in pts], [100 * p[2] for p in pts], linestyle="--", marker="x",
-                 label=f"{system} % of copy BW")
+        ax2.plot(
+            [p[0] for p in pts], [100 * p[2] for p in pts], linestyle="--", marker="x", label=f"{system} % of copy BW"
+        )
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tok/s")
     batches = sorted({r["batch"] for r in rows})
     ax.set_xticks(batches, [str(b) for b in batches])

@@ -1,7 +1,9 @@
 """`picovllm bench latency`: decode speed at fixed batch sizes against the memory-bandwidth
 ceiling, optionally beside Hugging Face transformers on the same model, dtype and device."""
+
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -24,14 +26,22 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def _row(system: str, batch: int, prefill_s: float, total_s: float, output_len: int, step_bytes: int,
-         bandwidth: float) -> dict:
+def _row(
+    system: str, batch: int, prefill_s: float, total_s: float, output_len: int, step_bytes: int, bandwidth: float
+) -> dict:
     steps = output_len - 1
     decode_s = max(total_s - prefill_s, 1e-9)
     step_s = decode_s / steps
-    return {"system": system, "batch": batch, "ttft_ms": prefill_s * 1e3, "ms_per_step": step_s * 1e3,
-            "decode_tok_s": batch * steps / decode_s, "total_tok_s": batch * output_len / total_s,
-            "gb_s": step_bytes / step_s / 1e9, "bw_frac": step_bytes / step_s / bandwidth}
+    return {
+        "system": system,
+        "batch": batch,
+        "ttft_ms": prefill_s * 1e3,
+        "ms_per_step": step_s * 1e3,
+        "decode_tok_s": batch * steps / decode_s,
+        "total_tok_s": batch * output_len / total_s,
+        "gb_s": step_bytes / step_s / 1e9,
+        "bw_frac": step_bytes / step_s / bandwidth,
+    }
 
 
 class PicoRunner:
@@ -50,13 +60,24 @@ class PicoRunner:
         engine = self.llm.llm_engine
         host, steps = engine.host_time_s, engine.num_steps
         self.llm.reset_prefix_cache()  # every run prefills its prompts (the warm-up ran the same ones)
-        self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                          SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+        self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
         self.host_ms_per_step = 1e3 * (engine.host_time_s - host) / max(engine.num_steps - steps, 1)
 
 
-def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output_len: int,
-                hf_modes: list[str], seed: int = 0, repeat: int = 1, plot: str | None = None) -> list[dict]:
+def run_latency(
+    llm_kwargs: dict,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    hf_modes: list[str],
+    seed: int = 0,
+    repeat: int = 1,
+    plot: str | None = None,
+) -> list[dict]:
     """Each system's prefill-only and full runs are timed `repeat` times, the systems taking turns
     (so that load from elsewhere on the machine falls on all of them), and the best time is kept.
     CPU ms/step is the host time of our engine's steps outside waiting for the device."""
@@ -75,8 +96,10 @@ def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output
         host_ms = float("inf")
         for _ in range(repeat):
             for name, runner in systems:
-                best[name][0] = min(best[name][0], _timed(lambda: runner.generate(prompts, 1), device))
-                best[name][1] = min(best[name][1], _timed(lambda: runner.generate(prompts, output_len), device))
+                best[name][0] = min(best[name][0], _timed(functools.partial(runner.generate, prompts, 1), device))
+                best[name][1] = min(
+                    best[name][1], _timed(functools.partial(runner.generate, prompts, output_len), device)
+                )
                 if runner is ours:
                     host_ms = min(host_ms, ours.host_ms_per_step)
         for name, runner in systems:
@@ -86,16 +109,37 @@ def run_latency(llm_kwargs: dict, batch_sizes: list[int], input_len: int, output
     by_batch = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
     for r in rows:
         r["speedup_vs_this"] = by_batch[r["batch"]]["decode_tok_s"] / r["decode_tok_s"]
-    print_table(rows, [("system", "system", ""), ("batch", "batch", "d"), ("ttft_ms", "TTFT ms", ".1f"),
-                       ("ms_per_step", "ms/step", ".3f"), ("decode_tok_s", "decode tok/s", ".1f"),
-                       ("total_tok_s", "total tok/s", ".1f"), ("gb_s", "GB/s", ".1f"),
-                       ("bw_frac", "of copy BW", ".1%"), ("host_ms_per_step", "CPU ms/step", ".3f"),
-                       ("speedup_vs_this", "picovllm x", ".2f")])
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s on {device}; prompt {input_len}, output {output_len}, "
-          f"best of {repeat}")
-    print_json("latency", {"model": llm_kwargs.get("model"), "device": str(device),
-                           "copy_bandwidth_gb_s": bandwidth / 1e9, "input_len": input_len,
-                           "output_len": output_len, "repeat": repeat, "results": rows})
+    print_table(
+        rows,
+        [
+            ("system", "system", ""),
+            ("batch", "batch", "d"),
+            ("ttft_ms", "TTFT ms", ".1f"),
+            ("ms_per_step", "ms/step", ".3f"),
+            ("decode_tok_s", "decode tok/s", ".1f"),
+            ("total_tok_s", "total tok/s", ".1f"),
+            ("gb_s", "GB/s", ".1f"),
+            ("bw_frac", "of copy BW", ".1%"),
+            ("host_ms_per_step", "CPU ms/step", ".3f"),
+            ("speedup_vs_this", "picovllm x", ".2f"),
+        ],
+    )
+    print(
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s on {device}; prompt {input_len}, output {output_len}, "
+        f"best of {repeat}"
+    )
+    print_json(
+        "latency",
+        {
+            "model": llm_kwargs.get("model"),
+            "device": str(device),
+            "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "input_len": input_len,
+            "output_len": output_len,
+            "repeat": repeat,
+            "results": rows,
+        },
+    )
     if plot:
         plot_latency(rows, plot)
     return rows

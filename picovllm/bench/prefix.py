@@ -13,6 +13,7 @@ the measured GEMM throughput and its bytes (weights, KV cache) over the measured
 long shared prefix, the ratio of a compute-bound prefill to a bandwidth-bound forward of a few
 tokens (benchmarks/README.md).
 """
+
 from __future__ import annotations
 
 import random
@@ -34,6 +35,7 @@ from picovllm.sampling_params import SamplingParams
 
 def _scenarios(rng: random.Random, vocab: int, scale: float) -> dict[str, list[list[int]]]:
     """The three workloads; `scale` shrinks every length (for tests on tiny models)."""
+
     def toks(n):
         return [rng.randrange(100, vocab) for _ in range(max(1, round(n * scale)))]
 
@@ -82,7 +84,7 @@ def _wall(llm, prompts: list[list[int]], rounds: int) -> float:
     sync(llm.llm_engine.device)
     start = time.perf_counter()
     for r in range(rounds):
-        batch = prompts[r * per_round:(r + 1) * per_round]
+        batch = prompts[r * per_round : (r + 1) * per_round]
         llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     sync(llm.llm_engine.device)
     return time.perf_counter() - start
@@ -176,16 +178,36 @@ def run_prefix(llm_kwargs: dict, seed: int = 0, repeat: int = 3, scale: float = 
         row["warm_ttft_bound"] = row["ttft_warm_floor_ms_off"] / row["ttft_warm_floor_ms_on"]
         rows.append(row)
     us = match_insert_us(iters=200 if scale < 1 else 2000)
-    print_table(rows, [("scenario", "scenario", ""), ("ttft_cold_ms_off", "TTFT cold off", ".1f"),
-                       ("ttft_warm_ms_off", "warm off", ".1f"), ("ttft_cold_ms_on", "cold on", ".1f"),
-                       ("ttft_warm_ms_on", "warm on", ".1f"), ("warm_ttft_speedup", "warm x", ".2f"),
-                       ("warm_ttft_bound", "bound x", ".2f"), ("warm_off_of_floor", "off at floor", ".0%"),
-                       ("warm_on_of_floor", "on at floor", ".0%"), ("hit_rate_on", "hit rate", ".1%"),
-                       ("wall_on_vs_off", "wall on vs off", "+.1%")])
+    print_table(
+        rows,
+        [
+            ("scenario", "scenario", ""),
+            ("ttft_cold_ms_off", "TTFT cold off", ".1f"),
+            ("ttft_warm_ms_off", "warm off", ".1f"),
+            ("ttft_cold_ms_on", "cold on", ".1f"),
+            ("ttft_warm_ms_on", "warm on", ".1f"),
+            ("warm_ttft_speedup", "warm x", ".2f"),
+            ("warm_ttft_bound", "bound x", ".2f"),
+            ("warm_off_of_floor", "off at floor", ".0%"),
+            ("warm_on_of_floor", "on at floor", ".0%"),
+            ("hit_rate_on", "hit rate", ".1%"),
+            ("wall_on_vs_off", "wall on vs off", "+.1%"),
+        ],
+    )
     print(f"PrefixCache match + insert, 2,000-token prompt: {us:.1f} us median (CPU)")
-    print(f"floors: GEMM {floors_of.flop_s / 1e12:.1f} TFLOP/s, copy {floors_of.byte_s / 1e9:.1f} GB/s (measured); "
-          "bound x: warm speedup with both settings at their floors; at floor: floor / TTFT")
-    print_json("prefix", {"model": llm_kwargs.get("model"), "device": str(engines["on"].llm_engine.device),
-                          "match_insert_us": us, "gemm_tflop_s": floors_of.flop_s / 1e12,
-                          "copy_bandwidth_gb_s": floors_of.byte_s / 1e9, "results": rows})
+    print(
+        f"floors: GEMM {floors_of.flop_s / 1e12:.1f} TFLOP/s, copy {floors_of.byte_s / 1e9:.1f} GB/s (measured); "
+        "bound x: warm speedup with both settings at their floors; at floor: floor / TTFT"
+    )
+    print_json(
+        "prefix",
+        {
+            "model": llm_kwargs.get("model"),
+            "device": str(engines["on"].llm_engine.device),
+            "match_insert_us": us,
+            "gemm_tflop_s": floors_of.flop_s / 1e12,
+            "copy_bandwidth_gb_s": floors_of.byte_s / 1e9,
+            "results": rows,
+        },
+    )
     return rows

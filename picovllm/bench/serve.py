@@ -6,6 +6,7 @@ every SSE chunk carries one step's token. Reports request and token throughput, 
 output token after the first) and ITL (between chunks): mean, p50, p90, p99; saves the raw
 per-request timings and a plot.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,16 @@ from picovllm.bench.common import print_json, print_table
 
 
 def _body(prompt: list[int], max_tokens: int, model: str) -> bytes:
-    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "ignore_eos": True}).encode()
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
 
 
 async def _one(session, url: str, headers: dict, body: bytes, prompt_len: int) -> dict:
@@ -43,13 +52,28 @@ async def _one(session, url: str, headers: dict, body: bytes, prompt_len: int) -
     if not stamps:
         return {"ok": False, "error": "no tokens"}
     ttft = stamps[0] - start
-    return {"ok": True, "start": start_wall, "prompt_len": prompt_len, "output_len": len(stamps), "ttft": ttft,
-            "e2e": end - start,
-            "tpot": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1), "itl": np.diff(stamps).tolist()}
+    return {
+        "ok": True,
+        "start": start_wall,
+        "prompt_len": prompt_len,
+        "output_len": len(stamps),
+        "ttft": ttft,
+        "e2e": end - start,
+        "tpot": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1),
+        "itl": np.diff(stamps).tolist(),
+    }
 
 
-async def _drive(url: str, headers: dict, prompts: list[list[int]], output_len: int, concurrency: int,
-                 request_rate: float, model: str, seed: int) -> list[dict]:
+async def _drive(
+    url: str,
+    headers: dict,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    request_rate: float,
+    model: str,
+    seed: int,
+) -> list[dict]:
     # aiohttp, as vLLM's benchmark: a request's start and end cost its client process about 0.21 ms
     # of CPU on this project's machine (bodies serialised beforehand: 0.28 ms otherwise), against
     # 1.2 ms with httpx; while a process is busy its other streams' tokens wait (most inter-token
@@ -59,8 +83,9 @@ async def _drive(url: str, headers: dict, prompts: list[list[int]], output_len: 
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                     read_bufsize=1 << 20) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None), read_bufsize=1 << 20
+    ) as session:
         headers = {**headers, "Content-Type": "application/json"}
         bodies = [_body(p, output_len, model) for p in prompts]
 
@@ -120,8 +145,11 @@ class EngineProbe:
 
         engine.on_step = on_step
         names = ("picovllm-engine", "picovllm-http")
-        self._clocks = {t.name.removeprefix("picovllm-"): functools.partial(_thread_cpu_s, t)
-                        for t in threading.enumerate() if t.name in names}
+        self._clocks = {
+            t.name.removeprefix("picovllm-"): functools.partial(_thread_cpu_s, t)
+            for t in threading.enumerate()
+            if t.name in names
+        }
         if getattr(engine, "pid", None) is not None:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
         self._cpu = {k: clock() for k, clock in self._clocks.items()}
@@ -131,8 +159,10 @@ class EngineProbe:
         self._engine.on_step = self._inner
         steps = _stats(_busy_gaps(self.starts).tolist())
         cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
-        print(f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+        print(
+            f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+        )
         return {"engine_step_ms": steps, "cpu_ms_per_step": cpu}
 
 
@@ -148,15 +178,33 @@ def _stats_line(stats: dict) -> str:
 
 def _stats(values: list[float]) -> dict:
     a = np.asarray(values) * 1e3
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99))} if len(a) else {}
+    return (
+        {
+            "mean": float(a.mean()),
+            "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)),
+        }
+        if len(a)
+        else {}
+    )
 
 
-def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: int = 64,
-                    request_rate: float = float("inf"), input_len: int = 512, output_len: int = 128,
-                    vocab_size: int = 30000, api_key: str | None = None, seed: int = 0,
-                    save_dir: str | None = None, client_processes: int | None = None,
-                    probe: EngineProbe | None = None) -> dict:
+def run_serve_bench(
+    url: str,
+    model: str,
+    num_prompts: int = 256,
+    concurrency: int = 64,
+    request_rate: float = float("inf"),
+    input_len: int = 512,
+    output_len: int = 128,
+    vocab_size: int = 30000,
+    api_key: str | None = None,
+    seed: int = 0,
+    save_dir: str | None = None,
+    client_processes: int | None = None,
+    probe: EngineProbe | None = None,
+) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -168,8 +216,20 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
         client_processes = min(8, max(1, (os.cpu_count() or 2) // 2))
     procs = max(1, min(client_processes, concurrency))
     start_at = time.time() + 3.0  # after every process has started and imported its modules
-    shards = [(start_at, url, headers, prompts[i::procs], output_len, concurrency // procs + (i < concurrency % procs),
-               request_rate / procs, model, seed + i) for i in range(procs)]
+    shards = [
+        (
+            start_at,
+            url,
+            headers,
+            prompts[i::procs],
+            output_len,
+            concurrency // procs + (i < concurrency % procs),
+            request_rate / procs,
+            model,
+            seed + i,
+        )
+        for i in range(procs)
+    ]
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = list(pool.map(_client_process, shards))
     if probe is not None:
@@ -178,19 +238,41 @@ def run_serve_bench(url: str, model: str, num_prompts: int = 256, concurrency: i
     elapsed = max(end for _, end in done) - start_at
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_len"] for r in ok)
-    summary = {"requests": len(results), "failed": len(results) - len(ok), "seconds": elapsed,
-               "request_s": len(ok) / elapsed, "output_tok_s": out_tokens / elapsed,
-               "total_tok_s": (out_tokens + sum(r["prompt_len"] for r in ok)) / elapsed,
-               "concurrency": concurrency, "request_rate": request_rate, "input_len": input_len,
-               "output_len": output_len,
-               "ttft_ms": _stats([r["ttft"] for r in ok]), "tpot_ms": _stats([r["tpot"] for r in ok]),
-               "itl_ms": _stats([x for r in ok for x in r["itl"]]), **(probed if probe is not None else {})}
-    rows = [{"metric": name, **summary[key]} for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
-                                                               ("ITL", "itl_ms")) if summary[key]]
-    print(f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
-          f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s")
-    print_table(rows, [("metric", "ms", ""), ("mean", "mean", ".2f"), ("p50", "p50", ".2f"), ("p90", "p90", ".2f"),
-                       ("p99", "p99", ".2f")])
+    summary = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "seconds": elapsed,
+        "request_s": len(ok) / elapsed,
+        "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (out_tokens + sum(r["prompt_len"] for r in ok)) / elapsed,
+        "concurrency": concurrency,
+        "request_rate": request_rate,
+        "input_len": input_len,
+        "output_len": output_len,
+        "ttft_ms": _stats([r["ttft"] for r in ok]),
+        "tpot_ms": _stats([r["tpot"] for r in ok]),
+        "itl_ms": _stats([x for r in ok for x in r["itl"]]),
+        **(probed if probe is not None else {}),
+    }
+    rows = [
+        {"metric": name, **summary[key]}
+        for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
+        if summary[key]
+    ]
+    print(
+        f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
+        f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s"
+    )
+    print_table(
+        rows,
+        [
+            ("metric", "ms", ""),
+            ("mean", "mean", ".2f"),
+            ("p50", "p50", ".2f"),
+            ("p90", "p90", ".2f"),
+            ("p99", "p99", ".2f"),
+        ],
+    )
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
         with open(os.path.join(save_dir, "serve_results.json"), "w") as f:

@@ -1,5 +1,6 @@
 """`picovllm bench throughput`: offline throughput on the workload nano-vllm and mini-sglang
 publish: 256 requests, prompt and output lengths uniform in [100, 1024], ignore_eos, T=0.6."""
+
 from __future__ import annotations
 
 import time
@@ -28,12 +29,33 @@ def run_throughput(llm_kwargs: dict, num_prompts: int, min_len: int, max_len: in
     sync(engine.device)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = {"system": "picovllm", "requests": num_prompts, "seconds": elapsed,
-              "output_tok_s": generated / elapsed, "total_tok_s": (generated + int(in_lens.sum())) / elapsed,
-              "preemptions": engine.scheduler.num_preemptions}
-    print_table([result], [("system", "system", ""), ("requests", "requests", "d"), ("seconds", "time s", ".2f"),
-                           ("output_tok_s", "output tok/s", ".1f"), ("total_tok_s", "total tok/s", ".1f"),
-                           ("preemptions", "preemptions", "d")])
-    print_json("throughput", {"model": llm_kwargs.get("model"), "device": str(engine.device),
-                              "min_len": min_len, "max_len": max_len, **result})
+    result = {
+        "system": "picovllm",
+        "requests": num_prompts,
+        "seconds": elapsed,
+        "output_tok_s": generated / elapsed,
+        "total_tok_s": (generated + int(in_lens.sum())) / elapsed,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+    print_table(
+        [result],
+        [
+            ("system", "system", ""),
+            ("requests", "requests", "d"),
+            ("seconds", "time s", ".2f"),
+            ("output_tok_s", "output tok/s", ".1f"),
+            ("total_tok_s", "total tok/s", ".1f"),
+            ("preemptions", "preemptions", "d"),
+        ],
+    )
+    print_json(
+        "throughput",
+        {
+            "model": llm_kwargs.get("model"),
+            "device": str(engine.device),
+            "min_len": min_len,
+            "max_len": max_len,
+            **result,
+        },
+    )
     return result

@@ -1,4 +1,5 @@
 """Tensor-parallel group state. Without torch.distributed initialised, rank 0 of 1."""
+
 import torch.distributed as dist
 
 

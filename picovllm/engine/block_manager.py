@@ -8,6 +8,7 @@ count is 0.
 Invariants (check_invariants): every device block is either free (ref 0, in the free list
 once) or used (ref >= 1); free + used = total.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -68,8 +69,16 @@ class BlockManager:
     one layer's K (or V) cache is a contiguous [num_blocks, block_size, heads, head_dim] view.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.block_size = block_size
         self.device = device
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -78,8 +87,7 @@ class BlockManager:
         self.gpu = BlockPool(num_blocks)
 
     @staticmethod
-    def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property

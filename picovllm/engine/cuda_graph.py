@@ -20,6 +20,7 @@ data for control flow: the decode attention's grid depends on the batch size alo
 cuts its own context into that many splits) and max_query_len = 1; the prefill attention's grid
 is its work list, padded to the graph's capacity with items that exit at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,15 @@ class _GraphSet:
 
     kind = "?"
 
-    def __init__(self, model: torch.nn.Module, sizes: list[int], max_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sizes: list[int],
+        max_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ):
         self.model = model
         self.sizes = sizes
         self.max_model_len = max_model_len
@@ -92,8 +100,14 @@ class _GraphSet:
             self.graphs[key] = graph
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (%s sizes %d..%d) in %.1f s", len(self.graphs), self.kind,
-                    self.sizes[0], self.sizes[-1], elapsed)
+        logger.info(
+            "captured %d CUDA graphs (%s sizes %d..%d) in %.1f s",
+            len(self.graphs),
+            self.kind,
+            self.sizes[0],
+            self.sizes[-1],
+            elapsed,
+        )
         return elapsed
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
@@ -111,8 +125,9 @@ class DecodeGraphs(_GraphSet):
 
     kind = "decode batch"
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+    def __init__(
+        self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device
+    ):
         sizes = graph_batch_sizes(max_num_seqs)
         super().__init__(model, sizes, sizes[-1], max_model_len, block_size, device)
         self.vectors = torch.zeros(4, sizes[-1], dtype=torch.int64, device=device)
@@ -124,8 +139,14 @@ class DecodeGraphs(_GraphSet):
 
     def args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids, positions, slots, context_lens = self.vectors[:, :size]
-        meta = AttentionMetadata(slots, self.block_tables[:size], context_lens, self.query_start_loc[:size + 1],
-                                 max_query_len=1, max_context_len=self.max_model_len)
+        meta = AttentionMetadata(
+            slots,
+            self.block_tables[:size],
+            context_lens,
+            self.query_start_loc[: size + 1],
+            max_query_len=1,
+            max_context_len=self.max_model_len,
+        )
         return ids, positions, meta
 
     def fill(self, inputs: ModelInputs) -> int:
@@ -158,8 +179,15 @@ class MixedGraphs(_GraphSet):
 
     kind = "mixed step tokens"
 
-    def __init__(self, model: torch.nn.Module, max_tokens: int, max_num_seqs: int, max_model_len: int,
-                 block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ):
         sizes = mixed_graph_sizes(max_tokens)
         self.max_num_seqs = max_num_seqs
         seqs = self.num_seqs(sizes[-1])
@@ -169,7 +197,7 @@ class MixedGraphs(_GraphSet):
             lengths = self.layout(size)
             offsets, total = packed_layout(lengths)
             packed = torch.zeros(total, dtype=torch.int64, device=device)
-            tokens, ctx, qsl, work = (packed[o: o + n] for o, n in zip(offsets, lengths))
+            tokens, ctx, qsl, work = (packed[o : o + n] for o, n in zip(offsets, lengths))
             tokens = tokens.view(3, size)
             tokens[2], work[:] = -1, -1  # (what capture runs over: nothing stored, no prefill work)
             self.inputs[size] = (packed, tokens, ctx, qsl, work)
@@ -186,8 +214,14 @@ class MixedGraphs(_GraphSet):
 
     def padding(self, num_tokens: int, num_seqs: int, work_items: int = 0) -> MixedPadding | None:
         """The shape of the smallest graph that serves a step of this size (None: none does)."""
-        size = next((s for s in self.sizes if s >= num_tokens and self.num_seqs(s) >= num_seqs
-                     and self.work_capacity(s) >= work_items), None)
+        size = next(
+            (
+                s
+                for s in self.sizes
+                if s >= num_tokens and self.num_seqs(s) >= num_seqs and self.work_capacity(s) >= work_items
+            ),
+            None,
+        )
         return None if size is None else MixedPadding(size, self.num_seqs(size), self.work_capacity(size))
 
     def layout(self, size: int) -> tuple[int, int, int, int]:
@@ -201,8 +235,16 @@ class MixedGraphs(_GraphSet):
     def args(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         size, decodes = key
         _, (ids, positions, slots), ctx, qsl, work = self.inputs[size]
-        meta = AttentionMetadata(slots, self.block_tables[: self.num_seqs(size)], ctx, qsl, max_query_len=size,
-                                 max_context_len=self.max_model_len, any_single_query=decodes, prefill_work=work)
+        meta = AttentionMetadata(
+            slots,
+            self.block_tables[: self.num_seqs(size)],
+            ctx,
+            qsl,
+            max_query_len=size,
+            max_context_len=self.max_model_len,
+            any_single_query=decodes,
+            prefill_work=work,
+        )
         return ids, positions, meta
 
     def fill(self, inputs: ModelInputs) -> tuple[int, bool]:

@@ -10,6 +10,7 @@ held back (an incomplete character) is decoded as a whole `decode` would show it
 Text that a stop string found later could still cut off is not final (final_text_len): streams
 send only final text, so that what a client has seen is never taken back.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer
@@ -33,7 +34,7 @@ class Detokenizer:
         req.prefix_offset = max(req.num_prompt_tokens - _PROMPT_CONTEXT, 0)
         if self.backend is not None:
             req.decode_stream = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
-            for token in req.token_ids[req.prefix_offset:req.read_offset]:
+            for token in req.token_ids[req.prefix_offset : req.read_offset]:
                 req.decode_stream.step(self.backend, token)
             req.num_streamed = req.read_offset
 
@@ -65,12 +66,12 @@ class Detokenizer:
         nothing while it ends in an incomplete character, unless final."""
         skip = req.params.skip_special_tokens
         ids = req.token_ids
-        prefix = self.tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=skip)
+        prefix = self.tokenizer.decode(ids[req.prefix_offset : req.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[req.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or (not final and full.endswith("\ufffd")):
             return ""
         req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def flush(self, req: Request) -> str | None:
         """At the end of a request, append text still held back (an incomplete character at the
@@ -102,8 +103,9 @@ class Detokenizer:
     def _check_stop(req: Request, old_len: int) -> str | None:
         text = req.output_text
         # a stop string ending in the new text may have started before it; the earliest one wins
-        hits = [(idx, stop) for stop in req.params.stop
-                if (idx := text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        hits = [
+            (idx, stop) for stop in req.params.stop if (idx := text.find(stop, max(0, old_len - len(stop) + 1))) != -1
+        ]
         if not hits:
             return None
         idx, stop = min(hits)

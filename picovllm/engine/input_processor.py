@@ -2,6 +2,7 @@
 prompt's checks against the model (vocabulary, context) and the sampling parameters. Needs no
 model weights: the server's HTTP process and the CLI run it before (or without) the engine.
 """
+
 from __future__ import annotations
 
 import array
@@ -20,12 +21,14 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many kinds; the user needs to know which model
-        raise ValueError(f"could not load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True "
-                         "to run on token ids only") from e
+        raise ValueError(
+            f"could not load a tokenizer from {path!r} ({e}); pass skip_tokenizer_init=True to run on token ids only"
+        ) from e
 
 
-def process_prompt(prompt: PromptType, params: SamplingParams, tokenizer, vocab_size: int,
-                   max_model_len: int) -> tuple[str | None, list[int]]:
+def process_prompt(
+    prompt: PromptType, params: SamplingParams, tokenizer, vocab_size: int, max_model_len: int
+) -> tuple[str | None, list[int]]:
     """Validate a prompt (string, token ids or {"prompt_token_ids"/"prompt": ...}) against a
     model (its tokenizer, vocabulary and context) and params; return its text and token ids.
     Raises ValueError. Needs no model weights: a server's front end runs it."""
@@ -58,11 +61,13 @@ def process_prompt(prompt: PromptType, params: SamplingParams, tokenizer, vocab_
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
     if len(ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
-                         "which leaves no room to generate")
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, which leaves no room to generate"
+        )
     if params.max_tokens is not None and len(ids) + params.max_tokens > max_model_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                         f"max_model_len ({max_model_len})")
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
+        )
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (the engine was started without one)")
     return text, ids

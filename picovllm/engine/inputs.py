@@ -11,6 +11,7 @@ uploaded to the device in one copy. One builder per kind of step:
 Slot mappings and block tables are built with vectorised numpy ops (a loop over sequences,
 never over tokens).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -110,13 +111,14 @@ class Uploader:
                 dev = slot[1] = torch.empty(size, dtype=torch.int64, device=self.device)
         staged = host.numpy()
         for a, offset in zip(arrays, offsets, strict=True):
-            staged[offset: offset + a.size] = a.ravel()
+            staged[offset : offset + a.size] = a.ravel()
         if self.device.type == "cuda":
             dev[:total].copy_(host[:total], non_blocking=True)
             slot[2] = torch.cuda.Event()
             slot[2].record()
-        return [dev[offset: offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets, strict=True)] + \
-            ([dev[:total]] if packed else [])
+        return [dev[offset : offset + a.size].view(a.shape) for a, offset in zip(arrays, offsets, strict=True)] + (
+            [dev[:total]] if packed else []
+        )
 
 
 class _Tokens(NamedTuple):
@@ -140,21 +142,27 @@ def _tokens(step: StepInputs, block_size: int, rows: int) -> _Tokens:
     np.cumsum(step.query_lens, out=query_start_loc[1:])
     total = int(query_start_loc[-1])
     seq_of_token = np.repeat(np.arange(num_seqs), step.query_lens)
-    positions = (np.arange(total) - query_start_loc[seq_of_token]
-                 + (step.context_lens - step.query_lens)[seq_of_token])
+    positions = np.arange(total) - query_start_loc[seq_of_token] + (step.context_lens - step.query_lens)[seq_of_token]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     input_ids = np.fromiter((t for ids in step.token_ids for t in ids), dtype=np.int64, count=total)
     logits_indices = (query_start_loc[1:] - 1)[step.sample]
     return _Tokens(input_ids, positions, slots, tables, query_start_loc, logits_indices)
 
 
-def _meta(step: StepInputs, slots, tables, context_lens, query_start_loc, work=None,
-          block_m: int = BLOCK_M) -> AttentionMetadata:
-    return AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=context_lens,
-                             query_start_loc=query_start_loc, max_query_len=int(step.query_lens.max()),
-                             max_context_len=int(step.context_lens.max()),
-                             any_single_query=bool((step.query_lens == 1).any()), prefill_work=work,
-                             prefill_block_m=block_m)
+def _meta(
+    step: StepInputs, slots, tables, context_lens, query_start_loc, work=None, block_m: int = BLOCK_M
+) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        context_lens=context_lens,
+        query_start_loc=query_start_loc,
+        max_query_len=int(step.query_lens.max()),
+        max_context_len=int(step.context_lens.max()),
+        any_single_query=bool((step.query_lens == 1).any()),
+        prefill_work=work,
+        prefill_block_m=block_m,
+    )
 
 
 def build_decode(step: StepInputs, block_size: int, upload: Uploader, batch_size: int | None = None) -> ModelInputs:
@@ -189,7 +197,8 @@ def build_mixed_graph(step: StepInputs, block_size: int, upload: Uploader, pad: 
     qsl[: step.num_seqs + 1] = t.query_start_loc
     work = prefill_work(step.query_lens, BLOCK_M, capacity=pad.work_items)
     token_rows, ctx, qsl, work, tables, logits, graph_inputs = upload(
-        tokens, context_lens, qsl, work, t.tables, t.logits_indices, packed=True)
+        tokens, context_lens, qsl, work, t.tables, t.logits_indices, packed=True
+    )
     input_ids, positions, slots = token_rows
     return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work), logits, graph_inputs)
 
@@ -200,6 +209,13 @@ def build_eager(step: StepInputs, block_size: int, upload: Uploader) -> ModelInp
     block_m = work_block_m(int(step.query_lens.max()))
     work = prefill_work(step.query_lens, block_m)
     input_ids, positions, slots, ctx, tables, qsl, logits, work = upload(
-        t.input_ids, t.positions, t.slots, step.context_lens.astype(np.int64), t.tables, t.query_start_loc,
-        t.logits_indices, work)
+        t.input_ids,
+        t.positions,
+        t.slots,
+        step.context_lens.astype(np.int64),
+        t.tables,
+        t.query_start_loc,
+        t.logits_indices,
+        work,
+    )
     return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work, block_m), logits)

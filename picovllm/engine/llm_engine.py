@@ -1,9 +1,10 @@
 """LLMEngine: requests in, one scheduled forward per step(), RequestOutputs out.
 
-    batch = scheduler.schedule()                   # who runs, and how many tokens each
-    reqs, sampled = model_runner.run(batch)        # tensors -> model -> sampler
-    outputs = self._process(reqs, tokens, sampled) # append tokens, detokenize, finish, free
+batch = scheduler.schedule()                   # who runs, and how many tokens each
+reqs, sampled = model_runner.run(batch)        # tensors -> model -> sampler
+outputs = self._process(reqs, tokens, sampled) # append tokens, detokenize, finish, free
 """
+
 from __future__ import annotations
 
 import itertools
@@ -47,8 +48,10 @@ class _Step(NamedTuple):
 def _to_host(out: SamplerOutput) -> SamplerOutput:
     """Start copying the samples to pinned host memory (non_blocking): reading them then waits
     for this step alone, not for a step launched after it (as .tolist() on the device would)."""
+
     def copy(t):
         return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
     return SamplerOutput(*(copy(getattr(out, f.name)) for f in fields(out)))
 
 
@@ -77,15 +80,22 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
         max_model_len = resolve_max_model_len(config, self.model_config)
-        self.model_runner = ModelRunner(config, self.model_config, path, self.dtype, self.device,
-                                        max_model_len, self.eos_token_ids)
+        self.model_runner = ModelRunner(
+            config, self.model_config, path, self.dtype, self.device, max_model_len, self.eos_token_ids
+        )
         num_blocks = self.model_runner.num_kv_blocks(config)
-        self.max_model_len, self.max_num_batched_tokens = resolve_limits(config, max_model_len,
-                                                                         num_blocks * config.block_size)
+        self.max_model_len, self.max_num_batched_tokens = resolve_limits(
+            config, max_model_len, num_blocks * config.block_size
+        )
         self.block_manager = self.model_runner.allocate_kv_cache(num_blocks)
         self.graph_capture_s = self._capture_graphs()
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_prefix_caching, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            config.enable_prefix_caching,
+            config.enable_chunked_prefill,
+        )
         self.groups: dict[str, _Group] = {}
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
@@ -216,8 +226,14 @@ class LLMEngine:
         if not reqs:
             return None
         running = set(map(id, sched.running))
-        if any(id(r) not in running or r.params.repetition_penalty != 1 or r.params.presence_penalty
-               or r.params.frequency_penalty or r.num_output_tokens < r.params.min_tokens for r in reqs):
+        if any(
+            id(r) not in running
+            or r.params.repetition_penalty != 1
+            or r.params.presence_penalty
+            or r.params.frequency_penalty
+            or r.num_output_tokens < r.params.min_tokens
+            for r in reqs
+        ):
             return None
         # a request whose token in flight is its last (max_tokens, max_model_len) finishes
         # whatever that token is: it does not go on
@@ -265,8 +281,10 @@ class LLMEngine:
         outputs = []
         for rid in changed:
             group = self.groups.get(rid)
-            if group is not None and (group.children[0].params.output_kind is not RequestOutputKind.FINAL_ONLY
-                                      or all(r.is_finished for r in group.children)):
+            if group is not None and (
+                group.children[0].params.output_kind is not RequestOutputKind.FINAL_ONLY
+                or all(r.is_finished for r in group.children)
+            ):
                 outputs.append(self._output(rid))
         return outputs
 
@@ -309,10 +327,17 @@ class LLMEngine:
         outputs = []
         for r in group.children:
             tokens, text, logprobs = self._take_delta(r) if delta else (r.output_token_ids, r.output_text, r.logprobs)
-            outputs.append(CompletionOutput(
-                index=r.index, text=text, token_ids=tokens,
-                cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                logprobs=logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason))
+            outputs.append(
+                CompletionOutput(
+                    index=r.index,
+                    text=text,
+                    token_ids=tokens,
+                    cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                    logprobs=logprobs,
+                    finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
+                )
+            )
         if finished:
             del self.groups[request_id]
         num_cached = group.children[0].num_prompt_cached_tokens or 0
@@ -327,11 +352,11 @@ class LLMEngine:
     def _take_delta(r: Request) -> tuple[list[int], str, list | None]:
         """The tokens, text and logprobs r generated since its last output (RequestOutputKind.DELTA),
         marked as sent. Only final text is sent (Detokenizer.final_text_len)."""
-        tokens = r.token_ids[r.num_prompt_tokens + r.num_output_sent:]
-        logprobs = None if r.logprobs is None else r.logprobs[r.num_output_sent:]
+        tokens = r.token_ids[r.num_prompt_tokens + r.num_output_sent :]
+        logprobs = None if r.logprobs is None else r.logprobs[r.num_output_sent :]
         r.num_output_sent += len(tokens)
         end = max(r.text_sent, Detokenizer.final_text_len(r))
-        text, r.text_sent = r.output_text[r.text_sent:end], end
+        text, r.text_sent = r.output_text[r.text_sent : end], end
         return tokens, text, logprobs
 
     # ---- introspection ----------------------------------------------------------------------
@@ -349,9 +374,14 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, int]:
         bm, cache = self.block_manager, self.scheduler.cache
-        return {"kv_blocks_total": bm.num_total_blocks, "kv_blocks_free": bm.num_free_blocks,
-                "kv_blocks_cached": cache.num_cached_blocks,
-                "prefix_cache_queried_tokens": cache.queried_tokens, "prefix_cache_hit_tokens": cache.hit_tokens,
-                "prefix_cache_evicted_blocks": cache.evicted_blocks,
-                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_preemptions": self.scheduler.num_preemptions}
+        return {
+            "kv_blocks_total": bm.num_total_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_cached": cache.num_cached_blocks,
+            "prefix_cache_queried_tokens": cache.queried_tokens,
+            "prefix_cache_hit_tokens": cache.hit_tokens,
+            "prefix_cache_evicted_blocks": cache.evicted_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

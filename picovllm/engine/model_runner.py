@@ -1,6 +1,7 @@
 """Runs a scheduled batch: its inputs (engine/inputs.py), the model (from a CUDA graph when one
 serves the step), the sampler. The sampled tokens come back to the host in one transfer per step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,16 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 
 
 class ModelRunner:
-    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, path: str | None,
-                 dtype: torch.dtype, device: torch.device, max_model_len: int, eos_ids: set[int]):
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        path: str | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        eos_ids: set[int],
+    ):
         self.model_cfg = model_cfg
         self.device = device
         self.dtype = dtype
@@ -40,8 +49,9 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
-        return BlockManager.bytes_per_block(self.block_size, len(self.model.attention_layers()),
-                                            attn.num_kv_heads, attn.head_dim, self.dtype)
+        return BlockManager.bytes_per_block(
+            self.block_size, len(self.model.attention_layers()), attn.num_kv_heads, attn.head_dim, self.dtype
+        )
 
     def num_kv_blocks(self, engine_cfg: EngineConfig) -> int:
         """Blocks that fit the memory budget left after loading the model."""
@@ -59,19 +69,33 @@ class ModelRunner:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         blocks = int(budget // self.kv_block_bytes())
         if blocks < 1:
-            raise ValueError("no memory left for the KV cache: lower the model size or raise "
-                             "gpu_memory_utilization / kv_cache_memory")
+            raise ValueError(
+                "no memory left for the KV cache: lower the model size or raise "
+                "gpu_memory_utilization / kv_cache_memory"
+            )
         return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> BlockManager:
         """The KV pool of num_blocks blocks, bound to the model's attention layers."""
         layers = self.model.attention_layers()
-        block_manager = BlockManager(num_blocks, self.block_size, len(layers), layers[0].num_kv_heads,
-                                     layers[0].head_dim, self.dtype, self.device)
+        block_manager = BlockManager(
+            num_blocks,
+            self.block_size,
+            len(layers),
+            layers[0].num_kv_heads,
+            layers[0].head_dim,
+            self.dtype,
+            self.device,
+        )
         for attn, (k, v) in zip(layers, block_manager.layer_caches(), strict=True):
             attn.k_cache, attn.v_cache = k, v
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, self.block_size,
-                    num_blocks * self.kv_block_bytes() / (1 << 30), self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_block_bytes() / (1 << 30),
+            self.device,
+        )
         return block_manager
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int = 0) -> float:
@@ -80,13 +104,15 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size, self.device)
         seconds = self.graphs.capture()
         if mixed_graph_tokens > 0:
-            self.mixed_graphs = MixedGraphs(self.model, mixed_graph_tokens, max_num_seqs, max_model_len,
-                                            self.block_size, self.device)
+            self.mixed_graphs = MixedGraphs(
+                self.model, mixed_graph_tokens, max_num_seqs, max_model_len, self.block_size, self.device
+            )
             seconds += self.mixed_graphs.capture()
         return seconds
 
-    def prepare(self, batch: ScheduledBatch, pending: torch.Tensor | None = None
-                ) -> tuple[ModelInputs, DecodeGraphs | MixedGraphs | None]:
+    def prepare(
+        self, batch: ScheduledBatch, pending: torch.Tensor | None = None
+    ) -> tuple[ModelInputs, DecodeGraphs | MixedGraphs | None]:
         """The step's inputs, and the graphs that replay it (None: it runs eagerly). pending: for
         a step launched ahead, the next input token of each of the batch's first len(pending)
         requests, on the device (sampled by the step before, not yet read by the host); those
@@ -95,12 +121,16 @@ class ModelRunner:
         token_ids, context, sample = [], [], []
         for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
             end = r.num_computed_tokens + n
-            token_ids.append([0] if i < num_pending else r.token_ids[end - n: end])
+            token_ids.append([0] if i < num_pending else r.token_ids[end - n : end])
             context.append(end)
             sample.append(i < num_pending or end == len(r.token_ids))
-        step = StepInputs(token_ids, np.array(context, dtype=np.int64),
-                          np.array(batch.num_new_tokens, dtype=np.int64), [r.block_table for r in batch.requests],
-                          np.array(sample))
+        step = StepInputs(
+            token_ids,
+            np.array(context, dtype=np.int64),
+            np.array(batch.num_new_tokens, dtype=np.int64),
+            [r.block_table for r in batch.requests],
+            np.array(sample),
+        )
         inputs, graphs = self._build(step)
         if pending is not None:  # (the pending rows decode: their tokens come first)
             inputs.input_ids[:num_pending].copy_(pending)
@@ -120,8 +150,11 @@ class ModelRunner:
     def sampling_requests(batch: ScheduledBatch, num_pending: int = 0) -> list[Request]:
         """The requests whose last token this step computes: each samples one token (the first
         num_pending decode a token not yet appended: see prepare)."""
-        return [r for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True))
-                if i < num_pending or r.num_computed_tokens + n == r.num_tokens]
+        return [
+            r
+            for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True))
+            if i < num_pending or r.num_computed_tokens + n == r.num_tokens
+        ]
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +182,9 @@ class ModelRunner:
         return tensors
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> tuple[list[Request], SamplerOutput | None]:
+    def run(
+        self, batch: ScheduledBatch, pending: torch.Tensor | None = None
+    ) -> tuple[list[Request], SamplerOutput | None]:
         """One forward; the requests that sample and their samples (None when none samples).
         pending: see prepare()."""
         reqs = self.sampling_requests(batch, 0 if pending is None else len(pending))

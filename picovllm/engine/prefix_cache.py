@@ -17,6 +17,7 @@ Release frees exactly the request's own block list and unlocks through the saved
 never by re-matching tokens (a split between match and release would misdirect a token walk).
 With caching off, the same calls do plain allocate / free.
 """
+
 from __future__ import annotations
 
 from picovllm.engine.block_manager import BlockManager
@@ -126,4 +127,3 @@ class PrefixCache:
             assert bm.ref_count(b) == ref, f"block {b}: ref count {bm.ref_count(b)}, holders {ref}"
         assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks
         bm.check_invariants()
-

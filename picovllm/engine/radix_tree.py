@@ -9,6 +9,7 @@ lock_ref of a node = number of live requests whose lock point is the node or bel
 nodes with lock_ref 0 can be evicted, leaves first, least recently used first. The tree knows
 nothing of block reference counts: PrefixCache (prefix_cache.py) pairs the two.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -102,7 +103,7 @@ class RadixTree:
         if pos == limit:
             return node, []
         bs = self.block_size
-        leaf = RadixNode(node, tokens[pos:limit], pos, blocks[pos // bs: limit // bs])
+        leaf = RadixNode(node, tokens[pos:limit], pos, blocks[pos // bs : limit // bs])
         leaf.last_access = next(self._clock)
         node.children[tokens[pos]] = leaf
         self.num_blocks += len(leaf.blocks)
@@ -161,8 +162,12 @@ class RadixTree:
         return self.num_blocks - self.num_locked_blocks
 
     def _evictable(self, node: RadixNode) -> bool:
-        return (node is not self.root and node.lock_ref == 0 and not node.children
-                and node.parent.children.get(node.tokens[0]) is node)  # still attached
+        return (
+            node is not self.root
+            and node.lock_ref == 0
+            and not node.children
+            and node.parent.children.get(node.tokens[0]) is node
+        )  # still attached
 
     def _maybe_candidate(self, node: RadixNode) -> None:
         if node._stamp == -1 and self._evictable(node):
@@ -196,12 +201,12 @@ def _common_len(edge: list[int], tokens: list[int], pos: int, limit: int) -> int
     """Length of the common prefix of edge and tokens[pos:limit], by slice comparisons (C speed):
     one when the whole edge matches, a binary search for the first mismatch otherwise."""
     n = min(len(edge), limit - pos)
-    if (edge if n == len(edge) else edge[:n]) == tokens[pos:pos + n]:
+    if (edge if n == len(edge) else edge[:n]) == tokens[pos : pos + n]:
         return n
     lo, hi = 0, n  # edge[:lo] matches, edge[:hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if edge[lo:mid] == tokens[pos + lo:pos + mid]:
+        if edge[lo:mid] == tokens[pos + lo : pos + mid]:
             lo = mid
         else:
             hi = mid

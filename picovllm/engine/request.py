@@ -1,4 +1,5 @@
 """One sequence being generated. n > 1 completions of one prompt are n Requests sharing a parent."""
+
 from __future__ import annotations
 
 import enum
@@ -16,9 +17,18 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
-                 prompt_token_ids: list[int], params: SamplingParams, arrival: int,
-                 generator: torch.Generator | None, max_model_len: int | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        parent_id: str,
+        index: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: int,
+        generator: torch.Generator | None,
+        max_model_len: int | None = None,
+    ):
         self.request_id = request_id
         self.parent_id = parent_id
         self.index = index  # which of the parent's n completions
@@ -27,8 +37,11 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         # the length at which it stops for length: max_tokens generated, or max_model_len reached
-        limits = [n for n in (max_model_len, None if params.max_tokens is None
-                              else self.num_prompt_tokens + params.max_tokens) if n is not None]
+        limits = [
+            n
+            for n in (max_model_len, None if params.max_tokens is None else self.num_prompt_tokens + params.max_tokens)
+            if n is not None
+        ]
         self.max_num_tokens = min(limits, default=None)
         self.arrival = arrival
         self.generator = generator
@@ -62,7 +75,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

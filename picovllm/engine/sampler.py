@@ -7,6 +7,7 @@ for one row of a 152k vocabulary took 39 us on the H200), each seeded request dr
 from its own generator so that its samples do not depend on what else is in the batch.
 Log-probabilities are those of the raw model output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +41,9 @@ class SamplingTensors:
         return self.all_greedy or self.greedy is not None
 
     @classmethod
-    def from_requests(cls, reqs: list[Request], vocab_size: int, eos_ids: set[int],
-                      device: torch.device) -> SamplingTensors:
+    def from_requests(
+        cls, reqs: list[Request], vocab_size: int, eos_ids: set[int], device: torch.device
+    ) -> SamplingTensors:
         params = [r.params for r in reqs]
 
         def column(values, dtype=torch.float32, off=None):
@@ -75,7 +77,8 @@ class SamplingTensors:
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             banned=(to_device(banned_rows, torch.long, device), to_device(banned_ids, torch.long, device))
-            if banned_rows else None,
+            if banned_rows
+            else None,
             generators=[r.generator for r in reqs],
             all_greedy=all_greedy,
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
@@ -171,13 +174,17 @@ class Sampler:
             # argmax(p / q) = argmax(log p - log q) = argmax(logits - log q): no softmax needed
             random = logits.sub_(uniform.log_().neg_().log_()).argmax(dim=-1)
             sampled = random if sampled is None else torch.where(t.greedy, sampled, random)
-        return SamplerOutput(sampled, None, None, None, None) if raw_logprobs is None else \
-            _with_logprobs(sampled, raw_logprobs, t.max_logprobs)
+        return (
+            SamplerOutput(sampled, None, None, None, None)
+            if raw_logprobs is None
+            else _with_logprobs(sampled, raw_logprobs, t.max_logprobs)
+        )
 
 
 def _with_logprobs(sampled: torch.Tensor, raw: torch.Tensor, k: int) -> SamplerOutput:
     chosen = raw.gather(1, sampled[:, None])
     ranks = (raw > chosen).sum(dim=-1) + 1
     top = raw.topk(k, dim=-1) if k else None
-    return SamplerOutput(sampled, chosen[:, 0], ranks,
-                         top.values if top is not None else None, top.indices if top is not None else None)
+    return SamplerOutput(
+        sampled, chosen[:, 0], ranks, top.values if top is not None else None, top.indices if top is not None else None
+    )

@@ -22,6 +22,7 @@ Invariant: between steps a RUNNING request holds blocks_needed(num_computed_toke
 more (its KV cache covers its first num_computed_tokens tokens; a decoding request's cover all
 but the last sampled token); WAITING and FINISHED requests hold none.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -45,8 +46,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+    ):
         self.block_manager = block_manager
         self.cache = PrefixCache(block_manager, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
@@ -172,9 +179,13 @@ class Scheduler:
         """`ahead`: requests in a step launched before the last one's tokens were read; they have
         computed every token they hold (the next one is on the device)."""
         ahead_ids = set(map(id, ahead))
-        assert all(not r.block_table and r.lock_node is None and r.status == RequestStatus.WAITING
-                   for r in self.waiting)
+        assert all(
+            not r.block_table and r.lock_node is None and r.status == RequestStatus.WAITING for r in self.waiting
+        )
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
-        assert all(len(r.block_table) >= self.block_manager.blocks_needed(r.num_computed_tokens)
-                   and 0 < r.num_computed_tokens <= r.num_tokens - (id(r) not in ahead_ids) for r in self.running)
+        assert all(
+            len(r.block_table) >= self.block_manager.blocks_needed(r.num_computed_tokens)
+            and 0 < r.num_computed_tokens <= r.num_tokens - (id(r) not in ahead_ids)
+            for r in self.running
+        )
         self.cache.check_invariants(self.running)

@@ -1,5 +1,6 @@
 """The options every command shares: engine options (EngineConfig's fields) and sampling options
 (SamplingParams' fields), as argparse parents, each number checked when it is parsed."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,9 +9,11 @@ from collections.abc import Callable
 from picovllm.sampling_params import SamplingParams
 
 
-def _number(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
-            what: str = "") -> Callable[[str], int | float]:
+def _number(
+    kind: type, low: float | None = None, high: float | None = None, low_open: bool = False, what: str = ""
+) -> Callable[[str], int | float]:
     """An argparse type: a number of this kind within [low, high] ((low, high] with low_open)."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -20,6 +23,7 @@ def _number(kind: type, low: float | None = None, high: float | None = None, low
         if below or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
         return value
+
     return parse
 
 
@@ -36,10 +40,18 @@ SAMPLING_FLAGS = [
     ("--temperature", "temperature", non_negative_float, "sampling temperature; 0 is greedy"),
     ("--top-p", "top_p", fraction, "nucleus sampling: keep the most likely tokens up to this probability mass"),
     ("--top-k", "top_k", int, "keep only the k most likely tokens (0 or -1: off)"),
-    ("--min-p", "min_p", _number(float, 0.0, 1.0, what="must be in [0, 1]"),
-     "drop tokens below min_p times the most likely token's probability"),
-    ("--repetition-penalty", "repetition_penalty", _number(float, 0.0, low_open=True, what="must be > 0"),
-     "penalise tokens already in the prompt or output (1: off)"),
+    (
+        "--min-p",
+        "min_p",
+        _number(float, 0.0, 1.0, what="must be in [0, 1]"),
+        "drop tokens below min_p times the most likely token's probability",
+    ),
+    (
+        "--repetition-penalty",
+        "repetition_penalty",
+        _number(float, 0.0, low_open=True, what="must be > 0"),
+        "penalise tokens already in the prompt or output (1: off)",
+    ),
     ("--presence-penalty", "presence_penalty", float, "penalise tokens already in the output (0: off)"),
     ("--frequency-penalty", "frequency_penalty", float, "penalise tokens by their count in the output (0: off)"),
     ("--seed", "seed", non_negative_int, "random seed of the sampler (and of the engine)"),
@@ -51,30 +63,63 @@ SAMPLING_FLAGS = [
 def engine_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("engine options")
-    g.add_argument("--model", "-m", default=None,
-                   help="a local Hugging Face directory, a .gguf file, a built-in model name (see `picovllm "
-                        "models`) or dummy:SHAPE for random weights; default: qwen2.5-coder-0.5b-instruct")
+    g.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="a local Hugging Face directory, a .gguf file, a built-in model name (see `picovllm "
+        "models`) or dummy:SHAPE for random weights; default: qwen2.5-coder-0.5b-instruct",
+    )
     g.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: the checkpoint's)")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: cuda when available)")
     g.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + output, in tokens")
     g.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests in a batch")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget of a step, decodes and prefill chunks together (default 8192)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill long prompts over several steps, mixed with decodes")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="launch each step before the previous one's tokens are read (default: on)")
-    g.add_argument("--mixed-graph-tokens", type=_number(int, 0, 8192, what="must be in [0, 8192]"), default=512,
-                   help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too (0: eager)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="token budget of a step, decodes and prefill chunks together (default 8192)",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill long prompts over several steps, mixed with decodes",
+    )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch each step before the previous one's tokens are read (default: on)",
+    )
+    g.add_argument(
+        "--mixed-graph-tokens",
+        type=_number(int, 0, 8192, what="must be in [0, 8192]"),
+        default=512,
+        help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too (0: eager)",
+    )
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                   help="fraction of GPU memory for weights, activations and KV cache")
-    g.add_argument("--kv-cache-memory", type=positive_int, default=None,
-                   help="bytes of KV cache; overrides --gpu-memory-utilization (default on CPU: 2 GiB)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="run every step eagerly instead of replaying CUDA graphs captured at start-up (GPU only)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn prefix caching off")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and KV cache",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=positive_int,
+        default=None,
+        help="bytes of KV cache; overrides --gpu-memory-utilization (default on CPU: 2 GiB)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run every step eagerly instead of replaying CUDA graphs captured at start-up (GPU only)",
+    )
+    g.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn prefix caching off"
+    )
     return p
 
 
@@ -89,13 +134,22 @@ def sampling_parser() -> argparse.ArgumentParser:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                  kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
-                  enable_prefix_caching=args.enable_prefix_caching,
-                  enable_chunked_prefill=args.enable_chunked_prefill, mixed_graph_tokens=args.mixed_graph_tokens,
-                  async_scheduling=args.async_scheduling)
+    kwargs = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        mixed_graph_tokens=args.mixed_graph_tokens,
+        async_scheduling=args.async_scheduling,
+    )
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
     return kwargs

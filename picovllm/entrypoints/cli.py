@@ -1,4 +1,5 @@
 """The `picovllm` command: generate, chat, serve, models, bench."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompts)
     if args.file:
         try:
-            with (sys.stdin if args.file == "-" else open(args.file)) as f:
+            with sys.stdin if args.file == "-" else open(args.file) as f:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except OSError as e:
             raise ValueError(f"cannot read --file {args.file}: {e.strerror or e}") from None
@@ -53,8 +54,9 @@ def _check_prompts(kwargs: dict, prompts: list[str], params, chat: bool) -> None
         if chat and tokenizer is not None:
             if not tokenizer.chat_template:
                 raise ValueError("this model has no chat template")
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             prompt = tokenizer.encode(text, add_special_tokens=False)
         process_prompt(prompt, params, tokenizer, model_config.vocab_size, max_model_len)
 
@@ -70,8 +72,10 @@ def _start(kwargs: dict, quiet: bool = False):
     engine = llm.llm_engine
     graphs = f", CUDA graphs captured in {engine.graph_capture_s:.1f} s" if engine.graph_capture_s else ""
     if not quiet:
-        _say(f"ready in {time.perf_counter() - start:.1f} s on {engine.device} ({engine.dtype}, "
-             f"{engine.block_manager.num_total_blocks} KV blocks, max_model_len {engine.max_model_len}{graphs})")
+        _say(
+            f"ready in {time.perf_counter() - start:.1f} s on {engine.device} ({engine.dtype}, "
+            f"{engine.block_manager.num_total_blocks} KV blocks, max_model_len {engine.max_model_len}{graphs})"
+        )
     return llm
 
 
@@ -79,12 +83,15 @@ def _summary(outputs, seconds: float) -> str:
     """One line for a run: requests, tokens, throughput and time to first token."""
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    ttfts = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs
-             if "first_token_time" in o.metrics]
+    ttfts = [
+        o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs if "first_token_time" in o.metrics
+    ]
     ttft = f", time to first token {1e3 * sum(ttfts) / len(ttfts):.0f} ms" if ttfts else ""
     mean = " (mean)" if len(ttfts) > 1 else ""
-    return (f"{len(outputs)} prompt{'s' if len(outputs) > 1 else ''} ({prompt} tokens), {generated} tokens "
-            f"generated in {seconds:.2f} s: {generated / seconds:.1f} tok/s{ttft}{mean}")
+    return (
+        f"{len(outputs)} prompt{'s' if len(outputs) > 1 else ''} ({prompt} tokens), {generated} tokens "
+        f"generated in {seconds:.2f} s: {generated / seconds:.1f} tok/s{ttft}{mean}"
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -105,8 +112,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if args.quiet:  # the completions alone, a blank line between two
                 print(("" if first else "\n") + completion.text)
             else:
-                print(f"--- {prompt!r} [{completion.index}] ({len(completion.token_ids)} tokens, "
-                      f"{completion.finish_reason})\n{prompt if not args.chat_template else ''}{completion.text}")
+                print(
+                    f"--- {prompt!r} [{completion.index}] ({len(completion.token_ids)} tokens, "
+                    f"{completion.finish_reason})\n{prompt if not args.chat_template else ''}{completion.text}"
+                )
             first = False
     if not args.quiet:
         _say(_summary(outputs, seconds))
@@ -179,12 +188,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _say(f"loading {args.model or DEFAULT_MODEL}...")
     engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
     app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
-    _say(f"serving on http://{args.host}:{args.port} (Ctrl-C stops it; open streams get "
-         f"{GRACEFUL_SHUTDOWN_S} s to finish)")
+    _say(
+        f"serving on http://{args.host}:{args.port} (Ctrl-C stops it; open streams get "
+        f"{GRACEFUL_SHUTDOWN_S} s to finish)"
+    )
     with frozen_heap():
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            uvicorn.run(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
         finally:
             engine.shutdown()
     return 0
@@ -207,35 +223,58 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine, sampling = engine_parser(), sampling_parser()
 
-    gen = sub.add_parser("generate", parents=[engine, sampling], help="complete prompts",
-                         description="Complete each prompt (arguments, or one per line of --file); defaults: "
-                                     "--max-tokens 256 --temperature 0.7.")
+    gen = sub.add_parser(
+        "generate",
+        parents=[engine, sampling],
+        help="complete prompts",
+        description="Complete each prompt (arguments, or one per line of --file); defaults: "
+        "--max-tokens 256 --temperature 0.7.",
+    )
     gen.add_argument("prompts", nargs="*", help="prompts to complete")
     gen.add_argument("--file", "-f", help="a file with one prompt per line ('-' for stdin)")
     gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
-    gen.add_argument("--quiet", "-q", action="store_true",
-                     help="print only the completions (a blank line between two), no progress or summary")
+    gen.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="print only the completions (a blank line between two), no progress or summary",
+    )
     gen.set_defaults(func=_cmd_generate, parser=gen)
 
-    chat = sub.add_parser("chat", parents=[engine, sampling], help="interactive chat, streamed",
-                          description="Chat interactively; replies stream as they are generated; defaults: "
-                                      "--max-tokens 1024 --temperature 0.7.")
+    chat = sub.add_parser(
+        "chat",
+        parents=[engine, sampling],
+        help="interactive chat, streamed",
+        description="Chat interactively; replies stream as they are generated; defaults: "
+        "--max-tokens 1024 --temperature 0.7.",
+    )
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.set_defaults(func=_cmd_chat, parser=chat)
 
-    serve = sub.add_parser("serve", parents=[engine, sampling], help="OpenAI-compatible HTTP server",
-                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
-                                       "/metrics, /tokenize and /detokenize. Sampling options set the defaults "
-                                       "of requests that leave them out.")
+    serve = sub.add_parser(
+        "serve",
+        parents=[engine, sampling],
+        help="OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics, /tokenize and /detokenize. Sampling options set the defaults "
+        "of requests that leave them out.",
+    )
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=port, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn log level")
-    serve.add_argument("--disable-frontend-multiprocessing", action="store_true",
-                       help="run the engine on a thread of the server's process, not in a process of its own")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
+    serve.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="run the engine on a thread of the server's process, not in a process of its own",
+    )
     serve.set_defaults(func=_cmd_serve, parser=serve)
 
     models = sub.add_parser("models", help="list built-in models")

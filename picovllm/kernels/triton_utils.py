@@ -3,6 +3,7 @@ this module's `triton` and `tl`, which are stand-ins when Triton is missing (nev
 
 On a CPU, tests run the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton is imported) on CPU tensors."""
+
 from __future__ import annotations
 
 import functools

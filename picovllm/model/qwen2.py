@@ -7,6 +7,7 @@ sampled. Each norm is handed to the projection that consumes it, and each sublay
 output to the residual stream itself, so that at decode batch 1 on the GPU norm, projection,
 activation and residual add are one kernel (model/layers/linear.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,9 @@ from picovllm.model.layers.rotary import RotaryEmbedding
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias=cfg.attention_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)

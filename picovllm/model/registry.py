@@ -1,4 +1,5 @@
 """Architecture name (config.json "architectures") -> model class."""
+
 from torch import nn
 
 from picovllm.model.qwen2 import Qwen2ForCausalLM

@@ -9,6 +9,7 @@ queue (loop.call_soon_threadsafe, once per step for all the streams of a loop), 
 whose consumer stops early, and call on_step(self, outputs) after each step (metrics;
 get_metrics() is the engine's).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +62,9 @@ def frozen_heap():
         gc.unfreeze()
 
 
-def engine_loop(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
-                publish: Callable[[list[RequestOutput]], None]) -> None:
+def engine_loop(
+    engine: LLMEngine, next_command: Callable[[bool], tuple | None], publish: Callable[[list[RequestOutput]], None]
+) -> None:
     """Apply commands and step while anything is unfinished, publishing each step's outputs
     (and, when idle, an empty list: the metrics after aborts that left nothing to step).
     next_command(block) returns the next command, or None when there is none and block is
@@ -107,11 +109,13 @@ class _Background:
 
     async def validate(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt off the event loop. Raises ValueError for bad input."""
-        return await asyncio.to_thread(process_prompt, prompt, params, self.tokenizer, self.vocab_size,
-                                       self.max_model_len)
+        return await asyncio.to_thread(
+            process_prompt, prompt, params, self.tokenizer, self.vocab_size, self.max_model_len
+        )
 
-    async def generate(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the outputs of a validated prompt (see validate) as they change; aborts the
         request if the consumer stops early."""
         if self.error is not None:
@@ -193,10 +197,12 @@ class AsyncEngine(_Background):
 
 # ---- the engine in a process of its own -------------------------------------------------------
 
+
 def _message(out: RequestOutput) -> tuple:
     """A DELTA output as plain tuples for the pipe (the prompt stays behind: the HTTP process has it)."""
-    comps = [(c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
-             for c in out.outputs]  # (CompletionOutput's fields after index, in order)
+    comps = [
+        (c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason) for c in out.outputs
+    ]  # (CompletionOutput's fields after index, in order)
     return out.request_id, comps, out.finished, out.num_cached_tokens
 
 
@@ -210,8 +216,16 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     except BaseException as e:  # bad options: the server reports them and does not start
         outputs.send(("error", e))
         return
-    outputs.send(("ready", {"vocab_size": engine.model_config.vocab_size, "max_model_len": engine.max_model_len,
-                            "tokenizer": engine.tokenizer_source}))
+    outputs.send(
+        (
+            "ready",
+            {
+                "vocab_size": engine.model_config.vocab_size,
+                "max_model_len": engine.max_model_len,
+                "tokenizer": engine.tokenizer_source,
+            },
+        )
+    )
 
     def next_command(block: bool) -> tuple | None:
         return commands.recv() if commands.poll(None if block else 0) else None
@@ -239,8 +253,9 @@ class EngineProcess(_Background):
         ctx = multiprocessing.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)
         self._outputs, outputs = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_engine_main, args=(engine_args, commands, outputs),
-                                    name="picovllm-engine", daemon=True)
+        self._process = ctx.Process(
+            target=_engine_main, args=(engine_args, commands, outputs), name="picovllm-engine", daemon=True
+        )
         self._process.start()
         commands.close()
         outputs.close()

@@ -1,4 +1,5 @@
 """Prometheus metrics of the server (names follow vLLM's, under picovllm:)."""
+
 from __future__ import annotations
 
 import time
@@ -7,8 +8,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from picovllm.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class ServerMetrics:
@@ -17,17 +38,27 @@ class ServerMetrics:
         self.running = Gauge("picovllm:num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("picovllm:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("picovllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", registry=r)
-        self.hit_rate = Gauge("picovllm:prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens.",
-                              registry=r)
+        self.hit_rate = Gauge(
+            "picovllm:prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens.", registry=r
+        )
         self.prompt_tokens = Counter("picovllm:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("picovllm:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("picovllm:request_success", "Finished requests.", ["finished_reason"], registry=r)
-        self.ttft = Histogram("picovllm:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("picovllm:inter_token_latency_seconds", "Time between tokens of a request.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("picovllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "picovllm:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "picovllm:inter_token_latency_seconds",
+            "Time between tokens of a request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "picovllm:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def on_step(self, engine, outputs) -> None:
         """Called after each step (on the engine thread, or on the event loop reading the engine process)."""

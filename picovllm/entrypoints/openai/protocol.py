@@ -1,4 +1,5 @@
 """Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra sampling fields."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -38,19 +39,34 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None
-                        ) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for invalid values."""
         values = dict(defaults)
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "min_tokens",
+        ):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
-        return SamplingParams(n=self.n, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                              skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output, **values)
+        return SamplingParams(
+            n=self.n,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **values,
+        )
 
 
 class CompletionRequest(_SamplingFields):

@@ -4,6 +4,7 @@
 Errors are OpenAI error JSON: 400 for invalid parameters, 401 without the API key, 404 for an
 unknown model. A streaming client that disconnects aborts its request, which frees its blocks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,9 @@ from picovllm.entrypoints.openai.serving import APIError, ServerState, authorize
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status
+    )
 
 
 async def _api_error(_, exc: APIError) -> JSONResponse:
@@ -34,14 +36,19 @@ async def _api_error(_, exc: APIError) -> JSONResponse:
 async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":  # (its location is a character offset, not a field)
-        return _error(400, f"invalid JSON in the request body: {first.get('ctx', {}).get('error', exc)}",
-                      "BadRequestError")
+        return _error(
+            400, f"invalid JSON in the request body: {first.get('ctx', {}).get('error', exc)}", "BadRequestError"
+        )
     param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
     return _error(400, f"invalid request: {param}: {first.get('msg', exc)}", "BadRequestError", param)
 
 
-def build_app(engine: AsyncEngine | EngineProcess, served_model_name: str, api_key: str | None = None,
-              sampling_defaults: dict | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine | EngineProcess,
+    served_model_name: str,
+    api_key: str | None = None,
+    sampling_defaults: dict | None = None,
+) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if isinstance(engine, EngineProcess):  # its steps are read on this loop from the start

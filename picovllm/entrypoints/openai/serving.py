@@ -6,6 +6,7 @@ The engine delivers RequestOutputKind.DELTA outputs (what each step added, only 
 stop string can still cut off: engine/detokenizer.py): streams send them as they come, and a
 request that does not stream joins them (collect).
 """
+
 from __future__ import annotations
 
 import json
@@ -91,20 +92,35 @@ async def collect(stream: AsyncIterator[RequestOutput], tracker: RequestTracker)
             for c in out.outputs:
                 prev = outputs.get(c.index)
                 if prev is None:
-                    outputs[c.index] = CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                                        None if c.logprobs is None else list(c.logprobs),
-                                                        c.finish_reason, c.stop_reason)
+                    outputs[c.index] = CompletionOutput(
+                        c.index,
+                        c.text,
+                        list(c.token_ids),
+                        c.cumulative_logprob,
+                        None if c.logprobs is None else list(c.logprobs),
+                        c.finish_reason,
+                        c.stop_reason,
+                    )
                     continue
                 prev.text += c.text
                 prev.token_ids += c.token_ids
                 if prev.logprobs is not None:
                     prev.logprobs += c.logprobs
                 prev.cumulative_logprob, prev.finish_reason, prev.stop_reason = (
-                    c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                    c.cumulative_logprob,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
     except EngineDeadError as e:
         raise APIError(500, str(e), "InternalServerError") from None
-    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [outputs[i] for i in sorted(outputs)],
-                         out.finished, out.num_cached_tokens)
+    return RequestOutput(
+        out.request_id,
+        out.prompt,
+        out.prompt_token_ids,
+        [outputs[i] for i in sorted(outputs)],
+        out.finished,
+        out.num_cached_tokens,
+    )
 
 
 def new_completions(out: RequestOutput, done: set[int]):
@@ -120,6 +136,7 @@ def new_completions(out: RequestOutput, done: set[int]):
 
 def sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
     """Server-Sent Events of the chunks: dicts, or events already serialised (EventTemplates)."""
+
     async def body():
         async for chunk in chunks:
             yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
@@ -146,8 +163,11 @@ class EventTemplates:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _lp_item(lp) -> dict:

@@ -1,4 +1,5 @@
 """Attention over the paged KV cache: rotate this step's queries and keys, store K/V, then attend."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -46,7 +47,7 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         # Views into the BlockManager's pool, [num_blocks, block_size, num_kv_heads, head_dim];
         # bound by the model runner once the pool is allocated.
         self.k_cache = torch.empty(0)
@@ -57,27 +58,59 @@ class PagedAttention(nn.Module):
         the Triton kernels read the metadata directly)."""
         if use_triton(meta.slot_mapping):
             return meta
-        return meta._replace(plan=plan_paged_attention(
-            meta.block_tables, meta.context_lens, meta.query_start_loc, self.k_cache.shape[1],
-            meta.max_query_len, meta.max_context_len))
+        return meta._replace(
+            plan=plan_paged_attention(
+                meta.block_tables,
+                meta.context_lens,
+                meta.query_start_loc,
+                self.k_cache.shape[1],
+                meta.max_query_len,
+                meta.max_context_len,
+            )
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """q, k, v: [num_tokens, heads, head_dim] before RoPE; cos_sin: each token's rotation."""
         q = rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
         if not use_triton(q):
             return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, self.scale)
         if meta.max_query_len == 1:
-            return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                           self.scale)
+            return decode_attention_triton(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
         # A mixed step: sequences with one query (decodes) go to the decode kernel, which reads
         # each KV head once for its whole query group and splits long contexts; the rest to the
         # prefill kernel; both write their rows of one output.
         out = torch.empty_like(q)
         if meta.any_single_query:
-            decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale,
-                                    query_start_loc=meta.query_start_loc, out=out)
-        return prefill_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                        meta.query_start_loc, self.scale, meta.max_query_len, out=out,
-                                        skip_single=meta.any_single_query, work=meta.prefill_work,
-                                        block_m=meta.prefill_block_m)
+            decode_attention_triton(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                query_start_loc=meta.query_start_loc,
+                out=out,
+            )
+        return prefill_attention_triton(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            self.scale,
+            meta.max_query_len,
+            out=out,
+            skip_single=meta.any_single_query,
+            work=meta.prefill_work,
+            block_m=meta.prefill_block_m,
+        )

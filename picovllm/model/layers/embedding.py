@@ -1,4 +1,5 @@
 """Vocabulary-parallel embedding and LM head (each rank holds a slice of the vocabulary)."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,10 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = loaded.narrow(0, self.start, param.shape[0])
         if shard.shape != param.shape or loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"shape mismatch loading the embedding: checkpoint has {tuple(loaded.shape)}, "
-                             f"model expects ({self.vocab_size}, {param.shape[1]})")
+            raise ValueError(
+                f"shape mismatch loading the embedding: checkpoint has {tuple(loaded.shape)}, "
+                f"model expects ({self.vocab_size}, {param.shape[1]})"
+            )
         param.data.copy_(shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ A layer may take its neighbours with it: the RMSNorm of its input (``norm``), Si
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
 is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,15 @@ from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm: nn.Module | None = None,
-           residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: nn.Module | None = None,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
     """residual + act(norm(x) @ weight.T + bias), where act is SiLU*mul of the two output halves
     when silu_mul is set. residual may be updated in place and returned (callers pass the residual
     stream, whose old value they do not read again): the GEMM then adds into it, where a new output
@@ -29,8 +37,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     row goes through matrix-vector kernels, which stream the weight about 1.7x faster than the GEMM
     path for M = 1 (benchmarks/README.md)."""
     if use_triton(x) and x.dim() == 2 and x.shape[0] == 1:
-        return gemv_triton(x, weight, bias, norm.weight if norm is not None else None,
-                           norm.eps if norm is not None else 0.0, residual, silu_mul)
+        return gemv_triton(
+            x,
+            weight,
+            bias,
+            norm.weight if norm is not None else None,
+            norm.eps if norm is not None else 0.0,
+            residual,
+            silu_mul,
+        )
     if norm is not None:
         x = norm(x)
     if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu":

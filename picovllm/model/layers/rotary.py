@@ -1,5 +1,6 @@
 """Rotary embedding's cos/sin table (fp32 math, stored in the model dtype); the rotation itself is
 fused with the KV-cache store (kernels/kv_store.py)."""
+
 from __future__ import annotations
 
 import math
@@ -40,4 +41,3 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, [num_tokens, head_dim // 2]; computed once per forward."""
         return self.cos[positions], self.sin[positions]
-

@@ -1,5 +1,6 @@
 """Convert a GGUF file (dequantized with the `gguf` package) into a Hugging Face directory:
 config.json, model.safetensors (bf16), generation_config.json and tokenizer files."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,15 @@ from tqdm.auto import tqdm
 
 _ARCHS = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 # Two quantizations of one tied matrix differ by a few percent; independent matrices by ~140%.
@@ -75,8 +82,11 @@ def convert_gguf(gguf_path: str, out_dir: str, desc: str | None = None) -> str:
     from safetensors.torch import save_file
 
     reader = gguf.GGUFReader(gguf_path)
-    fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")
-              or name.endswith("_token_id")}
+    fields = {
+        name: f.contents()
+        for name, f in reader.fields.items()
+        if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")
+    }
     arch = fields.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
@@ -129,8 +139,9 @@ def _tokenizer(gguf_path: str, arch: str):
     from tokenizers import normalizers
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                        gguf_file=os.path.basename(gguf_path))
+    tok = AutoTokenizer.from_pretrained(
+        os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path)
+    )
     if arch == "qwen2":  # upstream Qwen2 normalizes to NFC; the GGUF conversion dropped it
         tok.backend_tokenizer.normalizer = normalizers.NFC()
     return tok

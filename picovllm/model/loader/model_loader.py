@@ -1,5 +1,6 @@
 """Resolve a model name or path to a config and a weights directory, and load it straight into
 the target dtype and device."""
+
 from __future__ import annotations
 
 import glob
@@ -38,7 +39,8 @@ def resolve_model(model: str | None) -> tuple[ModelConfig, str | None]:
         raise ValueError(
             f"model {model!r} not found: it is not a local directory, a .gguf file, a built-in model "
             f"({', '.join(BUILTIN_MODELS)}) or dummy:SHAPE ({', '.join(DUMMY_CONFIGS)}). "
-            "Pico-vLLM never downloads from a model hub.")
+            "Pico-vLLM never downloads from a model hub."
+        )
     cfg = ModelConfig.from_dir(path)
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
@@ -107,8 +109,10 @@ def load_weights(model: nn.Module, path: str) -> None:
         expected |= {f"{n}:{s}" for s in shard_ids.get(fused, [None])}
     missing = sorted(expected - loaded)
     if missing:
-        raise ValueError(f"weights missing from the checkpoint in {path!r}: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(
+            f"weights missing from the checkpoint in {path!r}: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
 
 
 def _random_init(model: nn.Module, seed: int) -> None:
@@ -120,8 +124,9 @@ def _random_init(model: nn.Module, seed: int) -> None:
             p.data.normal_(0.0, 0.02, generator=gen)
 
 
-def load_model(cfg: ModelConfig, path: str | None, dtype: torch.dtype, device: torch.device,
-               max_position: int, seed: int = 0) -> nn.Module:
+def load_model(
+    cfg: ModelConfig, path: str | None, dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0
+) -> nn.Module:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -1,4 +1,5 @@
 """GET /health, /metrics (Prometheus) and /v1/models."""
+
 from __future__ import annotations
 
 import time
@@ -25,5 +26,15 @@ async def metrics(state: State):
 
 @v1_router.get("/models")
 async def models(state: State):
-    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "picovllm", "max_model_len": state.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.served_model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "picovllm",
+                "max_model_len": state.max_model_len,
+            }
+        ],
+    }

@@ -1,4 +1,5 @@
 """POST /v1/chat/completions: a conversation through the model's chat template, streamed or not."""
+
 from __future__ import annotations
 
 import time
@@ -50,26 +51,51 @@ async def chat(req: ChatCompletionRequest, state: State):
     if req.stream:
         return sse(_stream(stream, req, params.n, params.logprobs, rid, created, state))
     out = await collect(stream, state.metrics.track())
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "logprobs": {"content": chat_logprobs(c, params.logprobs)} if req.logprobs else None}
-               for c in out.outputs]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": state.served_model_name,
-            "choices": choices,
-            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "logprobs": {"content": chat_logprobs(c, params.logprobs)} if req.logprobs else None,
+        }
+        for c in out.outputs
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": state.served_model_name,
+        "choices": choices,
+        "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+    }
 
 
-async def _stream(stream, req: ChatCompletionRequest, n: int, top_logprobs: int | None, rid: str, created: int,
-                  state: ServerState):
+async def _stream(
+    stream, req: ChatCompletionRequest, n: int, top_logprobs: int | None, rid: str, created: int, state: ServerState
+):
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.served_model_name}
     for i in range(n):
-        yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
+        yield {
+            **base,
+            "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
 
     def chunk(index: int, text: str | None, logprobs=None, finish_reason=None) -> dict:
-        return {**base, "choices": [{"index": index, "delta": {} if text is None else {"content": text},
-                                     "finish_reason": finish_reason, "logprobs": logprobs}]}
+        return {
+            **base,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {} if text is None else {"content": text},
+                    "finish_reason": finish_reason,
+                    "logprobs": logprobs,
+                }
+            ],
+        }
 
     templates = EventTemplates(chunk)
     tracker, done = state.metrics.track(), set()
@@ -82,7 +108,11 @@ async def _stream(stream, req: ChatCompletionRequest, n: int, top_logprobs: int 
             if not req.logprobs and c.finish_reason is None:
                 yield templates.event(c.index, c.text)
             else:
-                yield chunk(c.index, c.text if c.text or c.finish_reason is None else None,
-                            {"content": chat_logprobs(c, top_logprobs)} if req.logprobs else None, c.finish_reason)
+                yield chunk(
+                    c.index,
+                    c.text if c.text or c.finish_reason is None else None,
+                    {"content": chat_logprobs(c, top_logprobs)} if req.logprobs else None,
+                    c.finish_reason,
+                )
     if include_usage:
         yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,4 +1,5 @@
 """POST /v1/completions: a prompt (a string, strings, token ids or lists of them), streamed or not."""
+
 from __future__ import annotations
 
 import time
@@ -53,11 +54,23 @@ async def completions(req: CompletionRequest, state: State):
             text = c.text
             if req.echo:
                 text = (out.prompt or state.tokenizer.decode(out.prompt_token_ids)) + text
-            choices.append({"index": i * params.n + c.index, "text": text, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                            "logprobs": completion_logprobs(c) if req.logprobs is not None else None})
-    return {"id": rid, "object": "text_completion", "created": created, "model": state.served_model_name,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            choices.append(
+                {
+                    "index": i * params.n + c.index,
+                    "text": text,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "logprobs": completion_logprobs(c) if req.logprobs is not None else None,
+                }
+            )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": state.served_model_name,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: int, state: ServerState):
@@ -66,9 +79,21 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
     model = state.served_model_name
 
     def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                }
+            ],
+        }
 
     templates = EventTemplates(chunk)
     for i, stream in enumerate(streams):
@@ -85,10 +110,21 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
                 if req.logprobs is None and c.finish_reason is None:
                     yield templates.event(index, text)
                 else:
-                    yield chunk(index, text, completion_logprobs(c) if req.logprobs is not None else None,
-                                c.finish_reason, c.stop_reason)
+                    yield chunk(
+                        index,
+                        text,
+                        completion_logprobs(c) if req.logprobs is not None else None,
+                        c.finish_reason,
+                        c.stop_reason,
+                    )
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
     if include_usage:
-        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-               "usage": usage(prompt_tokens, completion_tokens)}
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }

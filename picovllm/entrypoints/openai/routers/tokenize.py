@@ -1,4 +1,5 @@
 """POST /tokenize and /detokenize (vLLM's): the server's tokenizer, without generating."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter
