@@ -33,9 +33,7 @@ def linear(
     """residual + act(norm(x) @ weight.T + bias), where act is SiLU*mul of the two output halves
     when silu_mul is set. residual may be updated in place and returned (callers pass the residual
     stream, whose old value they do not read again): the GEMM then adds into it, where a new output
-    first took a copy of it (a device-to-device copy per call, two per layer). On the CPU a single
-    row goes through matrix-vector kernels, which stream the weight about 1.7x faster than the GEMM
-    path for M = 1 (benchmarks/README.md)."""
+    first took a copy of it (a device-to-device copy per call, two per layer)."""
     if use_triton(x) and x.dim() == 2 and x.shape[0] == 1:
         return gemv_triton(
             x,
@@ -48,9 +46,7 @@ def linear(
         )
     if norm is not None:
         x = norm(x)
-    if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu":
-        y = (torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0]))[None]
-    elif residual is not None and bias is None and not silu_mul and x.dim() == 2:
+    if residual is not None and bias is None and not silu_mul and x.dim() == 2:
         return residual.addmm_(x, weight.t())  # the add in the GEMM's epilogue: no kernel of its own
     else:
         y = F.linear(x, weight, bias)
