@@ -8,7 +8,6 @@ the contexts, so a CUDA graph captured for a batch size serves any context: each
 own context into that many slices (rounded up to whole key tiles), and splits past its context
 exit at once. The reference is paged_attention_ref (paged_attention.py), which serves decode as a
 q_len=1 case."""
-
 import torch
 
 from picovllm.kernels.paged_attention import attend_paged_keys
@@ -16,7 +15,7 @@ from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wai
 
 BLOCK_N = 32  # keys per inner-loop tile
 # about four programs per SM on an H100 / H200: batch 128 in 2 splits, not 1, 2.51 -> 2.41 ms per
-# step; batch 1-64 unchanged (seventh session, benchmarks/README.md)
+# step; batch 1-64 unchanged (H200)
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
 # Mixed steps: the grid covers every sequence slot (in a graph, up to max_num_seqs), whatever
@@ -26,7 +25,7 @@ MIXED_SPLITS = 8
 # ... and each split at least this many keys. The kernel alone as a 128-token mixed-step graph runs
 # it, 64 decodes over 560-623 keys, 8 splits (`attention_sweep.py decode`, H200): 26.5 / 27.0 /
 # 22.4 / 27.8 / 31.8 / 45.0 us per layer with splits of at least 32 / 64 / 128 / 192 / 256 / 512
-# keys (benchmarks/README.md).
+# keys.
 MIXED_MIN_KEYS = 128
 
 
@@ -37,15 +36,8 @@ def num_splits(batch: int, num_kv_heads: int) -> int:
 
 
 @triton.jit
-def _sequence(
-    query_start_loc,
-    context_lens,
-    b,
-    SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr,
-    MIXED: tl.constexpr,
-):
+def _sequence(query_start_loc, context_lens, b, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr,
+              MIXED: tl.constexpr):
     """Sequence b as both kernels see it: the token row of its query; whether it has exactly one
     query (always so in a decode batch; in a mixed batch, the sequences with more belong to the
     prefill kernel); its context length; and the keys per split (a whole number of key tiles, at
@@ -63,48 +55,13 @@ def _sequence(
 
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _decode_partition_kernel(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    context_lens,
-    query_start_loc,
-    part_acc,
-    part_m,
-    part_l,
-    out,
-    s_qb,
-    s_qh,
-    s_qd,
-    c_kb,
-    c_ks,
-    c_kh,
-    c_kd,
-    c_vb,
-    c_vs,
-    c_vh,
-    c_vd,
-    s_tb,
-    s_tw,
-    s_ab,
-    s_ah,
-    s_as,
-    s_mb,
-    s_mh,
-    s_ob,
-    s_oh,
-    scale,
-    group,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MIN_PART: tl.constexpr,
-    PRECISION: tl.constexpr,
-    MIXED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, part_acc, part_m, part_l, out,
+    s_qb, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw,
+    s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
+    scale, group,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, MIN_PART: tl.constexpr,
+    PRECISION: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,49 +79,19 @@ def _decode_partition_kernel(
     heads = kvh * group + g
     gmask = g < group
     dmask = d < HEAD_DIM
-    qv = tl.load(
-        q + row * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd, mask=gmask[:, None] & dmask[None, :], other=0.0
-    )
+    qv = tl.load(q + row * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd,
+                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i, l_i, acc = attend_paged_keys(
-        qv,
-        m_i,
-        start,
-        m_i,
-        l_i,
-        acc,
-        k_cache,
-        v_cache,
-        block_tables + b * s_tb,
-        s_tw,
-        kvh,
-        c_kb,
-        c_ks,
-        c_kh,
-        c_kd,
-        c_vb,
-        c_vs,
-        c_vh,
-        c_vd,
-        start,
-        end,
-        d,
-        dmask,
-        scale,
-        BLOCK_SIZE=BLOCK_SIZE,
-        CAUSAL=False,
-        BLOCK_N=BLOCK_N,
-        PRECISION=PRECISION,
-    )
+    m_i, l_i, acc = attend_paged_keys(qv, m_i, start, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb,
+                                      s_tw, kvh, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start, end, d,
+                                      dmask, scale, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N,
+                                      PRECISION=PRECISION)
     out_mask = gmask[:, None] & dmask[None, :]
     if SPLITS == 1:  # the whole context in one program: the output, no partials to merge
-        tl.store(
-            out + row * s_ob + heads[:, None] * s_oh + d[None, :],
-            (acc / l_i[:, None]).to(out.dtype.element_ty),
-            mask=out_mask,
-        )
+        tl.store(out + row * s_ob + heads[:, None] * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+                 mask=out_mask)
     else:
         tl.store(part_acc + b * s_ab + heads[:, None] * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
         tl.store(part_m + b * s_mb + heads * s_mh + split, m_i, mask=gmask)
@@ -172,28 +99,10 @@ def _decode_partition_kernel(
 
 
 @triton.jit
-def _decode_merge_kernel(
-    part_acc,
-    part_m,
-    part_l,
-    context_lens,
-    query_start_loc,
-    out,
-    s_ab,
-    s_ah,
-    s_as,
-    s_mb,
-    s_mh,
-    s_ob,
-    s_oh,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MIN_PART: tl.constexpr,
-    MIXED: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc, out,
+                         s_ab, s_ah, s_as, s_mb, s_mh, s_ob, s_oh,
+                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         MIN_PART: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     pdl_wait(USE_PDL)
@@ -204,29 +113,18 @@ def _decode_merge_kernel(
     d = tl.arange(0, BLOCK_D)
     smask = s * part < ctx
     m = tl.load(part_m + b * s_mb + h * s_mh + s, mask=smask, other=float("-inf"))
-    l = tl.load(part_l + b * s_mb + h * s_mh + s, mask=smask, other=0.0)  # noqa: E741 (the softmax's l, as in m, l)
+    l = tl.load(part_l + b * s_mb + h * s_mh + s, mask=smask, other=0.0)  # noqa: E741 (the softmax's m and l)
     w = tl.where(smask, tl.exp(m - tl.max(m, axis=0)), 0.0)
-    acc = tl.load(
-        part_acc + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
-        mask=smask[:, None] & (d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
+    acc = tl.load(part_acc + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
+                  mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     res = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out + row * s_ob + h * s_oh + d, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def decode_attention_triton(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    splits: int | None = None,
-    query_start_loc: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    min_keys: int | None = None,
-) -> torch.Tensor:
+def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            splits: int | None = None, query_start_loc: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None, min_keys: int | None = None) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
     splits: per (sequence, KV head), a power of two; unless given, num_splits(B, kv_heads), and at
     least MIXED_SPLITS in a mixed batch. min_keys: the fewest keys per split (rounded up to whole
@@ -256,53 +154,17 @@ def decode_attention_triton(
     block_d = next_pow2(head_dim)
     min_part = -(-(min_keys or (MIXED_MIN_KEYS if mixed else BLOCK_N)) // BLOCK_N) * BLOCK_N
     _decode_partition_kernel[(batch, num_kv_heads, max_splits)](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        qsl,
-        part_acc,
-        part_m,
-        part_l,
-        out,
-        *query.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *block_tables.stride(),
-        *part_strides,
-        out.stride(0),
-        out.stride(1),
-        scale,
-        group,
-        BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim,
-        SPLITS=max_splits,
-        BLOCK_N=BLOCK_N,
-        BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=block_d,
-        MIN_PART=min_part,
-        PRECISION=dot_precision(query.dtype),
-        MIXED=mixed,
-        **pdl(query),
+        query, k_cache, v_cache, block_tables, context_lens, qsl, part_acc, part_m, part_l, out,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *part_strides, out.stride(0), out.stride(1),
+        scale, group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, MIN_PART=min_part,
+        PRECISION=dot_precision(query.dtype), MIXED=mixed, **pdl(query),
     )
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            part_acc,
-            part_m,
-            part_l,
-            context_lens,
-            qsl,
-            out,
-            *part_strides,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            SPLITS=max_splits,
-            BLOCK_N=BLOCK_N,
-            BLOCK_D=block_d,
-            MIN_PART=min_part,
-            MIXED=mixed,
+            part_acc, part_m, part_l, context_lens, qsl, out, *part_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIN_PART=min_part, MIXED=mixed,
             **pdl(query),
         )
     return out

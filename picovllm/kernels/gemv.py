@@ -15,7 +15,6 @@ The products are reduced on CUDA cores: at one row this beats cuBLAS plus the se
 activation / add kernels on every projection of Qwen2.5-1.5B on the H200, so the model uses it
 for one row (model/layers/linear.py); at eight rows it is 4x slower than cuBLAS's tensor cores.
 """
-
 from __future__ import annotations
 
 import torch
@@ -28,15 +27,9 @@ from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
 MAX_ROWS = 16  # rows in one program (registers); the model uses one
 
 
-def fused_linear_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-    silu_mul: bool = False,
-) -> torch.Tensor:
+def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """What gemv_triton computes, op by op. weight: [N, K], or [2I, K] for silu_mul (gate rows,
     then up rows)."""
     if norm_weight is not None:
@@ -75,31 +68,10 @@ def _rows_times_tile(xv, w):
 
 @triton.jit
 def _gemv_kernel(
-    x,
-    weight,
-    bias,
-    norm_weight,
-    residual,
-    out,
-    M,
-    N,
-    K,
-    s_xm,
-    s_xk,
-    s_wn,
-    s_wk,
-    s_rm,
-    s_om,
-    up_offset,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ONE_TILE: tl.constexpr,
+    x, weight, bias, norm_weight, residual, out,
+    M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
+    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     dt = out.dtype.element_ty
@@ -114,9 +86,8 @@ def _gemv_kernel(
         kmask = k < K
         w, wu = _weight_tiles(weight, n, k, nmask, K, s_wn, s_wk, up_offset, SILU_MUL)
         pdl_wait(USE_PDL)  # (with PDL the weight loads also overlap the previous kernel)
-        xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :], other=0.0).to(
-            tl.float32
-        )
+        xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
+                     other=0.0).to(tl.float32)
         if HAS_NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / K + eps)
             xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
@@ -132,17 +103,15 @@ def _gemv_kernel(
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(
-                    x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & (k[None, :] < K), other=0.0
-                ).to(tl.float32)
+                xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & (k[None, :] < K),
+                             other=0.0).to(tl.float32)
                 sq += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
-            xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :], other=0.0).to(
-                tl.float32
-            )
+            xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)
             if HAS_NORM:
                 xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
             acc += _rows_times_tile(xv, w)
@@ -179,16 +148,10 @@ def gemv_config(rows: int, n: int, k: int, norm: bool = False, silu_mul: bool = 
     return dict(BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=max(16, next_pow2(k)), num_warps=2)
 
 
-def gemv_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-    silu_mul: bool = False,
-    config: dict | None = None,
-) -> torch.Tensor:
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None, silu_mul: bool = False,
+                config: dict | None = None) -> torch.Tensor:
     rows, k = x.shape
     assert rows <= MAX_ROWS, f"gemv serves at most {MAX_ROWS} rows, got {rows}"
     assert not (silu_mul and bias is not None), "a fused gate_up has no bias"
@@ -197,29 +160,10 @@ def gemv_triton(
     cfg = {"num_warps": 4, **(config or gemv_config(rows, n, k, norm_weight is not None, silu_mul))}
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        norm_weight if norm_weight is not None else weight,
-        res,
-        out,
-        rows,
-        n,
-        k,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        res.stride(0),
-        out.stride(0),
-        n,
-        eps,
-        HAS_BIAS=bias is not None,
-        HAS_NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul,
-        ONE_TILE=k <= cfg["BLOCK_K"],
-        **cfg,
-        **pdl(x),
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        res, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        res.stride(0), out.stride(0), n, eps,
+        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], **cfg, **pdl(x),
     )
     return out

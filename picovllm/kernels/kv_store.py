@@ -1,7 +1,6 @@
 """RoPE on a step's queries and keys, fused with writing K and V into the paged cache through
 slot_mapping (one launch per layer instead of three). Rotate-half layout, as Hugging Face's
 Qwen2 and Llama."""
-
 import torch
 
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
@@ -14,9 +13,8 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def store_kvcache_ref(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim]; slot_mapping: [num_tokens], slot = block * block_size + offset,
     -1 marks a padding token whose K/V is not stored."""
@@ -46,42 +44,11 @@ def _rotate(x, t, h, d, s_xt, s_xh, s_xd, c, s, mask, half):
 
 @triton.jit
 def _rope_store_kernel(
-    q,
-    k,
-    v,
-    cos,
-    sin,
-    q_out,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    s_qt,
-    s_qh,
-    s_qd,
-    s_kt,
-    s_kh,
-    s_kd,
-    s_vt,
-    s_vh,
-    s_vd,
-    s_ct,
-    s_ot,
-    s_oh,
-    c_kb,
-    c_ks,
-    c_kh,
-    c_kd,
-    c_vb,
-    c_vs,
-    c_vh,
-    c_vd,  # cache strides (block, slot, head, dim)
-    num_heads,
-    num_kv_heads,
-    half,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_KH: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+    s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct, s_ot, s_oh,
+    c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,  # cache strides (block, slot, head, dim)
+    num_heads, num_kv_heads, half,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -117,31 +84,10 @@ def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> 
     half = head_dim // 2
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _rope_store_kernel[(num_tokens,)](
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        q_out,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        cos.stride(0),
-        q_out.stride(0),
-        q_out.stride(1),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        num_heads,
-        k.shape[1],
-        half,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=next_pow2(num_heads),
-        BLOCK_KH=next_pow2(k.shape[1]),
-        BLOCK_D=next_pow2(half),
-        **pdl(q),
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        *q.stride(), *k.stride(), *v.stride(), cos.stride(0), q_out.stride(0), q_out.stride(1),
+        *k_cache.stride(), *v_cache.stride(), num_heads, k.shape[1], half, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half), **pdl(q),
     )
     return q_out
 

@@ -1,5 +1,4 @@
 """Causal GQA attention of a batch of queries over the paged KV cache (prefill and decode)."""
-
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -21,14 +20,8 @@ class AttentionPlan(NamedTuple):
     mask: torch.Tensor  # [B, 1, max_q, max_context] True where a query may attend to a key
 
 
-def plan_paged_attention(
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    block_size: int,
-    max_query_len: int,
-    max_context_len: int,
-) -> AttentionPlan:
+def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         block_size: int, max_query_len: int, max_context_len: int) -> AttentionPlan:
     """Query i of a sequence with q_len queries sits at position context_lens[b] - q_len + i and
     attends to keys at positions <= its own; queries are padded to the longest query, keys to the
     longest context, and both paddings are masked out."""
@@ -45,23 +38,16 @@ def plan_paged_attention(
     return AttentionPlan(tables, max_ctx, rows, q_valid.flatten().nonzero().squeeze(1), mask[:, None])
 
 
-def paged_attention_ref(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
-) -> torch.Tensor:
+def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: AttentionPlan, scale: float) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the tokens of B sequences laid end to end (then
     padding tokens of no sequence, if any); caches: [num_blocks, block_size, num_kv_heads,
     head_dim] with this step's K/V already stored. Returns [num_tokens, num_heads, head_dim]."""
     keys = k_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]  # [B, ctx, kv_heads, D]
     values = v_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]
     q = query[plan.rows]  # [B, max_q, H, D]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=plan.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=plan.mask, scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).flatten(0, 1)[plan.out_rows]
     if out.shape[0] < query.shape[0]:  # padding tokens at the end (a graph-sized step): zeros
         out = torch.cat([out, out.new_zeros(query.shape[0] - out.shape[0], *out.shape[1:])])
@@ -69,36 +55,10 @@ def paged_attention_ref(
 
 
 @triton.jit
-def _attend_tile(
-    qv,
-    q_pos,
-    m_i,
-    l_i,
-    acc,
-    k_cache,
-    v_cache,
-    table_row,
-    s_tw,
-    kvh,
-    c_kb,
-    c_ks,
-    c_kh,
-    c_kd,
-    c_vb,
-    c_vs,
-    c_vh,
-    c_vd,
-    n0,
-    end,
-    d,
-    dmask,
-    scale,
-    BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                 c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
+                 BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """One key tile [n0, n0 + BLOCK_N) of attend_paged_keys; MASKED: keys past `end` (and with
     CAUSAL, keys after a query) are masked out; without it every key of the tile is read and seen."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -110,9 +70,8 @@ def _attend_tile(
         blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw).to(tl.int64)
         kvmask = dmask[None, :]
     off = n % BLOCK_SIZE
-    kt = tl.load(
-        k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd, mask=kvmask, other=0.0
-    )
+    kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
+                 mask=kvmask, other=0.0)
     s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
     if MASKED:
         valid = nmask[None, :]
@@ -123,44 +82,17 @@ def _attend_tile(
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    vt = tl.load(
-        v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd, mask=kvmask, other=0.0
-    )
+    vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
+                 mask=kvmask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
 
 
 @triton.jit
-def attend_paged_keys(
-    qv,
-    q_pos,
-    q_first,
-    m_i,
-    l_i,
-    acc,
-    k_cache,
-    v_cache,
-    table_row,
-    s_tw,
-    kvh,
-    c_kb,
-    c_ks,
-    c_kh,
-    c_kd,
-    c_vb,
-    c_vs,
-    c_vh,
-    c_vd,
-    start,
-    end,
-    d,
-    dmask,
-    scale,
-    BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def attend_paged_keys(qv, q_pos, q_first, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,
+                      start, end, d, dmask, scale,
+                      BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """The Triton kernels' shared inner loop: queries qv [M, D] attend to the keys at positions
     [start, end) of one sequence, read BLOCK_N at a time through its block table row, updating
     the online softmax (running max m_i, sum l_i, unnormalised acc). CAUSAL masks keys after each
@@ -174,65 +106,11 @@ def attend_paged_keys(
     clear = tl.minimum(end, q_first + 1) if CAUSAL else end  # keys before it: seen by every query
     full = start + tl.maximum(clear - start, 0) // BLOCK_N * BLOCK_N
     for n0 in range(start, full, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            qv,
-            q_pos,
-            m_i,
-            l_i,
-            acc,
-            k_cache,
-            v_cache,
-            table_row,
-            s_tw,
-            kvh,
-            c_kb,
-            c_ks,
-            c_kh,
-            c_kd,
-            c_vb,
-            c_vs,
-            c_vh,
-            c_vd,
-            n0,
-            end,
-            d,
-            dmask,
-            scale,
-            BLOCK_SIZE,
-            False,
-            CAUSAL,
-            BLOCK_N,
-            PRECISION,
-        )
+        m_i, l_i, acc = _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                                     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
+                                     BLOCK_SIZE, False, CAUSAL, BLOCK_N, PRECISION)
     for n0 in range(full, end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            qv,
-            q_pos,
-            m_i,
-            l_i,
-            acc,
-            k_cache,
-            v_cache,
-            table_row,
-            s_tw,
-            kvh,
-            c_kb,
-            c_ks,
-            c_kh,
-            c_kd,
-            c_vb,
-            c_vs,
-            c_vh,
-            c_vd,
-            n0,
-            end,
-            d,
-            dmask,
-            scale,
-            BLOCK_SIZE,
-            True,
-            CAUSAL,
-            BLOCK_N,
-            PRECISION,
-        )
+        m_i, l_i, acc = _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
+                                     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
+                                     BLOCK_SIZE, True, CAUSAL, BLOCK_N, PRECISION)
     return m_i, l_i, acc

@@ -17,7 +17,6 @@ never the contexts, so a CUDA graph serves any context. Each query block cuts it
 range into slices of whole key tiles (at least MIN_PART keys); a block whose range fits one
 slice writes the output directly, the others write partial softmaxes that a second kernel
 merges. Big steps (enough query blocks to fill the GPU) use one split: the plain kernel."""
-
 import numpy as np
 import torch
 
@@ -66,9 +65,8 @@ def num_work_items(query_lens: np.ndarray, block_m: int = BLOCK_M) -> int:
     return int(_query_blocks(query_lens, block_m, False)[1].sum())
 
 
-def prefill_work(
-    query_lens, block_m: int = BLOCK_M, capacity: int | None = None, include_single: bool = False
-) -> np.ndarray:
+def prefill_work(query_lens, block_m: int = BLOCK_M, capacity: int | None = None,
+                 include_single: bool = False) -> np.ndarray:
     """The work list: b << 16 | query block, for each block of block_m queries of each sequence
     b the kernel takes (_query_blocks), padded with -1 to `capacity`."""
     seqs, blocks = _query_blocks(query_lens, block_m, include_single)
@@ -81,16 +79,8 @@ def prefill_work(
 
 
 @triton.jit
-def _query_block(
-    query_start_loc,
-    context_lens,
-    b,
-    mblk,
-    SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MIN_PART: tl.constexpr,
-):
+def _query_block(query_start_loc, context_lens, b, mblk, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MIN_PART: tl.constexpr):
     """Query block mblk of sequence b as both kernels see it: the sequence's first token row, its
     query count, its prefix (the context before its queries: query i sits at position prefix + i),
     the end of the block's causal key range, and the keys per split."""
@@ -104,47 +94,12 @@ def _query_block(
 
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _prefill_kernel(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    context_lens,
-    query_start_loc,
-    work,
-    out,
-    part_acc,
-    part_ml,
-    s_qt,
-    s_qh,
-    s_qd,
-    c_kb,
-    c_ks,
-    c_kh,
-    c_kd,
-    c_vb,
-    c_vs,
-    c_vh,
-    c_vd,
-    s_tb,
-    s_tw,
-    s_ot,
-    s_oh,
-    s_at,
-    s_ah,
-    s_as,
-    s_mt,
-    s_mh,
-    scale,
-    group,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-    SPLITS: tl.constexpr,
-    MIN_PART: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
+    s_qt, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw, s_ot, s_oh,
+    s_at, s_ah, s_as, s_mt, s_mh,
+    scale, group,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, MIN_PART: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     item = tl.load(work + tl.program_id(0))
@@ -154,9 +109,8 @@ def _prefill_kernel(
     mblk = item & 0xFFFF
     h = tl.program_id(1)
     split = tl.program_id(2)
-    q_start, q_len, prefix, end, part = _query_block(
-        query_start_loc, context_lens, b, mblk, SPLITS, BLOCK_M, BLOCK_N, MIN_PART
-    )
+    q_start, q_len, prefix, end, part = _query_block(query_start_loc, context_lens, b, mblk, SPLITS, BLOCK_M,
+                                                     BLOCK_N, MIN_PART)
     start = split * part
     if start >= end:
         return
@@ -166,50 +120,21 @@ def _prefill_kernel(
     mmask = m < q_len
     dmask = d < HEAD_DIM
     rows = q_start + m
-    qv = tl.load(
-        q + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd, mask=mmask[:, None] & dmask[None, :], other=0.0
-    )
+    qv = tl.load(q + rows[:, None] * s_qt + h * s_qh + d[None, :] * s_qd, mask=mmask[:, None] & dmask[None, :],
+                 other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # rows whose queries come before `start` see no key here (NaN partials): the merge skips them
-    m_i, l_i, acc = attend_paged_keys(
-        qv,
-        prefix + m,
-        prefix + mblk * BLOCK_M,
-        m_i,
-        l_i,
-        acc,
-        k_cache,
-        v_cache,
-        block_tables + b * s_tb,
-        s_tw,
-        kvh,
-        c_kb,
-        c_ks,
-        c_kh,
-        c_kd,
-        c_vb,
-        c_vs,
-        c_vh,
-        c_vd,
-        start,
-        tl.minimum(start + part, end),
-        d,
-        dmask,
-        scale,
-        BLOCK_SIZE=BLOCK_SIZE,
-        CAUSAL=True,
-        BLOCK_N=BLOCK_N,
-        PRECISION=PRECISION,
-    )
+    m_i, l_i, acc = attend_paged_keys(qv, prefix + m, prefix + mblk * BLOCK_M, m_i, l_i, acc, k_cache, v_cache,
+                                      block_tables + b * s_tb,
+                                      s_tw, kvh, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start,
+                                      tl.minimum(start + part, end), d, dmask, scale, BLOCK_SIZE=BLOCK_SIZE,
+                                      CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
     out_mask = mmask[:, None] & dmask[None, :]
     if part >= end:  # the whole range in one split: the output, no partials to merge
-        tl.store(
-            out + rows[:, None] * s_ot + h * s_oh + d[None, :],
-            (acc / l_i[:, None]).to(out.dtype.element_ty),
-            mask=out_mask,
-        )
+        tl.store(out + rows[:, None] * s_ot + h * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+                 mask=out_mask)
     else:
         tl.store(part_acc + rows[:, None] * s_at + h * s_ah + split * s_as + d[None, :], acc, mask=out_mask)
         tl.store(part_ml + rows * s_mt + h * s_mh + 2 * split, m_i, mask=mmask)
@@ -218,27 +143,9 @@ def _prefill_kernel(
 
 @triton.jit
 def _prefill_merge_kernel(
-    context_lens,
-    query_start_loc,
-    work,
-    out,
-    part_acc,
-    part_ml,
-    s_ot,
-    s_oh,
-    s_at,
-    s_ah,
-    s_as,
-    s_mt,
-    s_mh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
-    MIN_PART: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    context_lens, query_start_loc, work, out, part_acc, part_ml, s_ot, s_oh, s_at, s_ah, s_as, s_mt, s_mh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    MIN_PART: tl.constexpr, MERGE_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     item = tl.load(work + tl.program_id(0))
@@ -248,9 +155,8 @@ def _prefill_merge_kernel(
     mblk = item & 0xFFFF
     h = tl.program_id(1)
     r0 = tl.program_id(2) * MERGE_ROWS  # a few rows per program: [SPLITS x BLOCK_M x D] would spill, and a
-    q_start, q_len, prefix, end, part = _query_block(
-        query_start_loc, context_lens, b, mblk, SPLITS, BLOCK_M, BLOCK_N, MIN_PART
-    )  # loop over row groups serialises loads
+    q_start, q_len, prefix, end, part = _query_block(query_start_loc, context_lens, b, mblk, SPLITS, BLOCK_M,
+                                                     BLOCK_N, MIN_PART)  # loop over row groups serialises loads
     if part >= end or mblk * BLOCK_M + r0 >= q_len:  # written by the partition kernel, or no rows here
         return
     d = tl.arange(0, BLOCK_D)
@@ -265,42 +171,25 @@ def _prefill_merge_kernel(
         seen = mmask & (s * part <= prefix + m)  # the split holds keys for this row (queries precede `end`)
         m_s = tl.load(part_ml + rows * s_mt + h * s_mh + 2 * s, mask=seen, other=float("-inf"))
         l_s = tl.load(part_ml + rows * s_mt + h * s_mh + 2 * s + 1, mask=seen, other=0.0)
-        a_s = tl.load(
-            part_acc + rows[:, None] * s_at + h * s_ah + s * s_as + d[None, :],
-            mask=seen[:, None] & dmask[None, :],
-            other=0.0,
-        )
+        a_s = tl.load(part_acc + rows[:, None] * s_at + h * s_ah + s * s_as + d[None, :],
+                      mask=seen[:, None] & dmask[None, :], other=0.0)
         new_m = tl.maximum(big_m, m_s)
         alpha = tl.where(big_m == float("-inf"), 0.0, tl.exp(big_m - new_m))
         beta = tl.where(seen, tl.exp(m_s - new_m), 0.0)
         big_l = big_l * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         big_m = new_m
-    tl.store(
-        out + rows[:, None] * s_ot + h * s_oh + d[None, :],
-        (acc / big_l[:, None]).to(out.dtype.element_ty),
-        mask=mmask[:, None] & dmask[None, :],
-    )
+    tl.store(out + rows[:, None] * s_ot + h * s_oh + d[None, :], (acc / big_l[:, None]).to(out.dtype.element_ty),
+             mask=mmask[:, None] & dmask[None, :])
 
 
-def prefill_attention_triton(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    block_m: int = BLOCK_M,
-    block_n: int | None = None,
-    out: torch.Tensor | None = None,
-    skip_single: bool = False,
-    splits: int | None = None,
-    work: torch.Tensor | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-) -> torch.Tensor:
+def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, context_lens: torch.Tensor,
+                             query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                             block_m: int = BLOCK_M, block_n: int | None = None, out: torch.Tensor | None = None,
+                             skip_single: bool = False, splits: int | None = None,
+                             work: torch.Tensor | None = None, num_warps: int | None = None,
+                             num_stages: int = 2) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> same shape. work: the work list
     (prefill_work(..., block_m), on the device); without it, it is built from query_start_loc
     (a device-to-host copy), leaving out the single-query sequences when skip_single (their rows
@@ -325,50 +214,19 @@ def prefill_attention_triton(
     else:  # never touched: every query block fits one split
         part_acc = part_ml = out
         part_strides = (0,) * 5
-    consts = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SPLITS=splits, MIN_PART=2 * block_n, **pdl(query)
-    )
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SPLITS=splits, MIN_PART=2 * block_n,
+                  **pdl(query))
     _prefill_kernel[(work.numel(), num_heads, splits)](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        query_start_loc,
-        work,
-        out,
-        part_acc,
-        part_ml,
-        *query.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *block_tables.stride(),
-        out.stride(0),
-        out.stride(1),
-        *part_strides,
-        scale,
-        num_heads // k_cache.shape[2],
-        BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim,
-        PRECISION=dot_precision(query.dtype),
-        num_warps=num_warps or (8 if block_m >= 128 else 4),
-        num_stages=num_stages,
-        **consts,
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
+        *part_strides, scale, num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        PRECISION=dot_precision(query.dtype), num_warps=num_warps or (8 if block_m >= 128 else 4),
+        num_stages=num_stages, **consts,
     )
     if splits > 1:
         merge_rows = min(MERGE_ROWS, block_m)
         _prefill_merge_kernel[(work.numel(), num_heads, block_m // merge_rows)](
-            context_lens,
-            query_start_loc,
-            work,
-            out,
-            part_acc,
-            part_ml,
-            out.stride(0),
-            out.stride(1),
-            *part_strides,
-            HEAD_DIM=head_dim,
-            MERGE_ROWS=merge_rows,
-            **consts,
+            context_lens, query_start_loc, work, out, part_acc, part_ml, out.stride(0), out.stride(1), *part_strides,
+            HEAD_DIM=head_dim, MERGE_ROWS=merge_rows, **consts,
         )
     return out

@@ -1,5 +1,4 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
-
 import torch
 
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
@@ -28,18 +27,8 @@ def _rms_norm_kernel(x, weight, out, s_xr, s_xc, s_or, n_cols, eps, BLOCK: tl.co
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows,
-        weight,
-        out,
-        rows.stride(0),
-        rows.stride(1),
-        out.stride(0),
-        rows.shape[1],
-        eps,
-        BLOCK=next_pow2(rows.shape[1]),
-        **pdl(x),
-    )
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), rows.stride(1), out.stride(0),
+                                       rows.shape[1], eps, BLOCK=next_pow2(rows.shape[1]), **pdl(x))
     return out.view(x.shape)
 
 

@@ -1,5 +1,4 @@
 """SwiGLU activation on a fused gate_up output: silu(gate) * up."""
-
 import torch
 import torch.nn.functional as F
 
@@ -27,9 +26,8 @@ def silu_mul_triton(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     rows = gate_up.reshape(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
     n = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](
-        rows, out, rows.stride(0), rows.stride(1), out.stride(0), n, BLOCK=block, **pdl(gate_up)
-    )
+    _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), rows.stride(1),
+                                                             out.stride(0), n, BLOCK=block, **pdl(gate_up))
     return out.view(*gate_up.shape[:-1], n)
 
 

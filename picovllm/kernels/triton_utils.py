@@ -3,7 +3,6 @@ this module's `triton` and `tl`, which are stand-ins when Triton is missing (nev
 
 On a CPU, tests run the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1, set before
 Triton is imported) on CPU tensors."""
-
 from __future__ import annotations
 
 import functools
@@ -38,7 +37,7 @@ ON_CPU = False
 # Programmatic dependent launch (Hopper and later): each kernel is launched while the one before it
 # drains, and does what does not read that one's output (address math, weight loads) before it
 # waits (pdl_wait): launch latency and the first weight loads overlap the previous kernel's tail.
-# On the H200, batch-1 decode 1.582 -> 1.500 ms per step (benchmarks/README.md). Off before Hopper;
+# On the H200, batch-1 decode 1.582 -> 1.500 ms per step. Off before Hopper;
 # tests compare with it off, and the kernel profiler turns it off so that kernel times add up.
 PDL = True
 
