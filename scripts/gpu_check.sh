@@ -7,7 +7,8 @@
 #      TREES="A B": each benchmark runs once per source tree, taking turns (an A/B of two checkouts).
 # Packages the machine lacks (the server's) are installed from wheels in .whl/ when there are any.
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
 fi
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -74,10 +74,9 @@ async def _drive(
     model: str,
     seed: int,
 ) -> list[dict]:
-    # aiohttp, as vLLM's benchmark: a request's start and end cost its client process about 0.21 ms
-    # of CPU on this project's machine (bodies serialised beforehand: 0.28 ms otherwise), against
-    # 1.2 ms with httpx; while a process is busy its other streams' tokens wait (most inter-token
-    # latencies over the target were those: benchmarks/README.md)
+    # aiohttp, as vLLM's benchmark: a one-token streaming request costs its client process 0.24 ms
+    # of CPU on this project's machine, against 1.2 ms with httpx (bodies serialised beforehand);
+    # while a process is busy its other streams' tokens wait
     import aiohttp
 
     rng = random.Random(seed)

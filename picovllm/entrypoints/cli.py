@@ -71,9 +71,10 @@ def _start(kwargs: dict, quiet: bool = False):
     llm = LLM(**kwargs)
     engine = llm.llm_engine
     graphs = f", CUDA graphs captured in {engine.graph_capture_s:.1f} s" if engine.graph_capture_s else ""
+    dtype = str(engine.dtype).removeprefix("torch.")
     if not quiet:
         _say(
-            f"ready in {time.perf_counter() - start:.1f} s on {engine.device} ({engine.dtype}, "
+            f"ready in {time.perf_counter() - start:.1f} s on {engine.device} ({dtype}, "
             f"{engine.block_manager.num_total_blocks} KV blocks, max_model_len {engine.max_model_len}{graphs})"
         )
     return llm
