@@ -11,10 +11,10 @@ is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from picovllm.distributed.communicator import tp_all_reduce
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from picovllm.kernels.gemv import gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
@@ -117,21 +117,37 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return linear(x, self.weight, self.bias, norm=norm, silu_mul=silu_mul)
 
 
+def check_tp_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """tp_size must divide the query heads, and it and the KV heads must divide one into the other."""
+    if num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} and the model's {num_kv_heads} KV heads must divide one into the other"
+        )
+
+
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections fused; each rank holds its own query and KV heads."""
+    """Q, K and V projections fused; each rank holds its own query heads and the KV heads they
+    read. With more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads
+    ranks (rank r holds KV head r // replicas, which its query heads belong to)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp = get_tp_size()
-        if num_heads % tp or num_kv_heads % tp:
-            raise ValueError(f"heads ({num_heads} query, {num_kv_heads} KV) not divisible by tp_size {tp}")
+        check_tp_heads(num_heads, num_kv_heads, tp)
         self.head_dim = head_dim
-        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.num_heads, self.num_kv_heads = num_heads // tp, max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, local * tp, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        shard = loaded.chunk(self.tp_size, 0)[self.tp_rank]
+        if shard_id == "q":
+            shard = loaded.narrow(0, self.tp_rank * q_size, q_size)
+        else:  # this rank's KV heads: its own slice, or (replicated) the one head its queries read
+            shard = loaded.narrow(0, self.tp_rank // self.kv_replicas * kv_size, kv_size)
         _copy_checked(param.data.narrow(0, offset, size), shard)
 
 
@@ -150,6 +166,5 @@ class RowParallelLinear(LinearBase):
         bias = self.bias if self.tp_rank == 0 else None
         if self.tp_size == 1:
             return linear(x, self.weight, bias, residual=residual)
-        y = linear(x, self.weight, bias)
-        dist.all_reduce(y)
+        y = tp_all_reduce(linear(x, self.weight, bias))
         return y if residual is None else residual.add_(y)

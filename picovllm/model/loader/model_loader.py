@@ -6,6 +6,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import zlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -68,38 +70,80 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; fail on anything missing,
-    unexpected or of the wrong shape."""
-    params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules_mapping", {})
-    loaded: set[str] = set()
-    device = next(model.parameters()).device
+def _checkpoint_tensors(path: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _weight_files(path):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # the tied head is the embedding
-                target, shard = name, None
-                for ckpt, (fused, shard_id) in packed.items():
-                    if f".{ckpt}." in name:
-                        target, shard = name.replace(ckpt, fused), shard_id
-                        break
-                if target not in params:
-                    raise ValueError(f"checkpoint weight {name!r} has no place in the model")
-                param = params[target]
-                tensor = f.get_tensor(name).to(param.dtype)
-                try:
-                    loader = getattr(param, "weight_loader", default_weight_loader)
-                    if shard is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard)
-                except ValueError as e:
-                    raise ValueError(f"{name}: {e}") from None
-                loaded.add(f"{target}:{shard}")
+                yield name, f.get_tensor(name)
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The names and full (unsharded) shapes of a Hugging Face checkpoint of this architecture."""
+    hidden, heads, kv_heads, head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    yield "model.embed_tokens.weight", (cfg.vocab_size, hidden)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for proj, rows in (
+            ("q_proj", heads * head_dim),
+            ("k_proj", kv_heads * head_dim),
+            ("v_proj", kv_heads * head_dim),
+        ):
+            yield f"{p}self_attn.{proj}.weight", (rows, hidden)
+            if cfg.attention_bias:
+                yield f"{p}self_attn.{proj}.bias", (rows,)
+        yield f"{p}self_attn.o_proj.weight", (hidden, heads * head_dim)
+        if cfg.o_proj_bias:
+            yield f"{p}self_attn.o_proj.bias", (hidden,)
+        yield f"{p}mlp.gate_proj.weight", (cfg.intermediate_size, hidden)
+        yield f"{p}mlp.up_proj.weight", (cfg.intermediate_size, hidden)
+        yield f"{p}mlp.down_proj.weight", (hidden, cfg.intermediate_size)
+        yield f"{p}input_layernorm.weight", (hidden,)
+        yield f"{p}post_attention_layernorm.weight", (hidden,)
+    yield "model.norm.weight", (hidden,)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", (cfg.vocab_size, hidden)
+
+
+def _dummy_tensors(cfg: ModelConfig, seed: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights (load_format="dummy") as a full checkpoint, each tensor from its own seed, so
+    that every tensor-parallel size loads the same model: norms 1, everything else N(0, 0.02)."""
+    for name, shape in checkpoint_shapes(cfg):
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, device=device)
+            continue
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        yield name, torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy every checkpoint tensor (each weight loader takes this rank's part) into its (possibly
+    fused) parameter; fail on anything missing, unexpected or of the wrong shape."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # the tied head is the embedding
+        target, shard = name, None
+        for ckpt, (fused, shard_id) in packed.items():
+            if f".{ckpt}." in name:
+                target, shard = name.replace(ckpt, fused), shard_id
+                break
+        if target not in params:
+            raise ValueError(f"checkpoint weight {name!r} has no place in the model")
+        param = params[target]
+        tensor = tensor.to(param.dtype)
+        try:
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        loaded.add(f"{target}:{shard}")
     shard_ids: dict[str, list] = {}
     for fused, shard_id in packed.values():
         shard_ids.setdefault(fused, []).append(shard_id)
@@ -110,18 +154,9 @@ def load_weights(model: nn.Module, path: str) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(
-            f"weights missing from the checkpoint in {path!r}: {', '.join(missing[:8])}"
+            f"weights missing from the checkpoint in {source}: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
-
-
-def _random_init(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(
@@ -135,7 +170,7 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     if path is None:
-        _random_init(model, seed)
+        load_weights(model, _dummy_tensors(cfg, seed, device), "dummy weights")
     else:
-        load_weights(model, path)
+        load_weights(model, _checkpoint_tensors(path, device), repr(path))
     return model.eval()

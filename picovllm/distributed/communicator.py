@@ -1,0 +1,28 @@
+"""The collectives of the tensor-parallel group that the model's layers call: an all-reduce of
+partial sums (row-parallel layers, the vocabulary-parallel embedding) and a gather of logit
+shards to the rank that samples. With a group of one they return their input."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from picovllm.distributed.parallel_state import get_tp_group, get_tp_rank, get_tp_size
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the ranks, in place."""
+    if get_tp_size() > 1:
+        dist.all_reduce(x, group=get_tp_group())
+    return x
+
+
+def tp_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+    """The ranks' equally shaped x concatenated along dim, on rank 0 of the group; None elsewhere."""
+    size = get_tp_size()
+    if size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)] if get_tp_rank() == 0 else None
+    dist.gather(x, parts, dst=dist.get_global_rank(get_tp_group(), 0), group=get_tp_group())
+    return torch.cat(parts, dim=dim) if parts is not None else None

@@ -1,0 +1,137 @@
+"""Tensor parallelism on the CPU: ranks in processes of their own over gloo, each loading its
+shard of a tiny model; the logits rank 0 gathers equal transformers' (fp32)."""
+
+import multiprocessing
+import socket
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import build_model
+
+from picovllm.model.layers.linear import check_tp_heads
+
+PROMPTS = [[5, 17, 200, 33, 4, 90, 61], [300, 2, 8], list(range(40, 60))]
+BLOCK_SIZE = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
+    """One rank: its shard of the model and of the KV cache; a prefill of PROMPTS in one step, then
+    one decode step of each prompt's greedy token. Rank 0 saves the logits of every position."""
+    from picovllm.distributed.parallel_state import destroy_distributed, get_tp_size, init_distributed
+    from picovllm.engine.block_manager import BlockManager
+    from picovllm.engine.inputs import StepInputs, Uploader, build_eager
+    from picovllm.model.loader.model_loader import load_model, resolve_model
+
+    torch.set_num_threads(1)
+    init_distributed(world, rank, "gloo", f"tcp://127.0.0.1:{port}")
+    assert get_tp_size() == world
+    cfg, _ = resolve_model(path)
+    cpu = torch.device("cpu")
+    model = load_model(cfg, path, torch.float32, cpu, 1024)
+    layers = model.attention_layers()
+    pool = BlockManager(64, BLOCK_SIZE, len(layers), layers[0].num_kv_heads, layers[0].head_dim, torch.float32, cpu)
+    for attn, (k, v) in zip(layers, pool.layer_caches()):
+        attn.k_cache, attn.v_cache = k, v
+    tables = [pool.allocate(-(-(len(p) + 1) // BLOCK_SIZE)) for p in PROMPTS]
+    upload = Uploader(cpu)
+
+    def forward(tokens, context, query):
+        step = StepInputs(tokens, np.array(context), np.array(query), tables, np.ones(len(tokens), dtype=bool))
+        inputs = build_eager(step, BLOCK_SIZE, upload)
+        with torch.inference_mode():
+            return model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.meta))
+
+    prefill = forward(PROMPTS, [len(p) for p in PROMPTS], [len(p) for p in PROMPTS])
+    # every rank takes the same next tokens: rank 0 has the logits, the others follow its choice
+    ends = np.cumsum([len(p) for p in PROMPTS]) - 1
+    nxt = torch.zeros(len(PROMPTS), dtype=torch.long)
+    if rank == 0:
+        nxt = prefill[torch.from_numpy(ends)].argmax(-1)
+    torch.distributed.broadcast(nxt, src=0)
+    decode = forward([[t] for t in nxt.tolist()], [len(p) + 1 for p in PROMPTS], [1] * len(PROMPTS))
+    if rank == 0:
+        torch.save({"prefill": prefill, "decode": decode, "next": nxt}, out)
+    else:
+        assert prefill is None and decode is None  # logits are gathered to rank 0 only
+    destroy_distributed()
+
+
+def _run_ranks(world: int, path: str, out: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, path, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive and [p.exitcode for p in procs] == [0] * world
+
+
+@pytest.mark.parametrize(
+    "arch,kv_heads,tie,world",
+    [("qwen2", 2, False, 2), ("llama", 1, True, 2), ("qwen2", 2, True, 4)],
+    ids=["qwen2-kv-split", "llama-kv-replicated", "qwen2-tp4-kv-replicated"],
+)
+def test_sharded_model_logits_equal_transformers(tmp_path, arch, kv_heads, tie, world):
+    """KV heads split across ranks (2 heads on 2 ranks) or replicated (1 head on 2 ranks, 2 on 4),
+    a vocabulary of 307 split into padded slices, tied and untied heads, QKV bias or none."""
+    path = str(tmp_path / "model")
+    hf = build_model(path, arch, heads=4, kv_heads=kv_heads, tie=tie, bias=arch == "qwen2", tokenizer=False, seed=5)
+    out = str(tmp_path / "logits.pt")
+    _run_ranks(world, path, out)
+    got = torch.load(out)
+    with torch.no_grad():
+        start = 0
+        for i, p in enumerate(PROMPTS):
+            ids = p + [int(got["next"][i])]
+            ref = hf(torch.tensor([ids])).logits[0]
+            torch.testing.assert_close(got["prefill"][start : start + len(p)], ref[: len(p)], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got["decode"][i], ref[len(p)], atol=1e-4, rtol=1e-4)
+            start += len(p)
+    assert not multiprocessing.active_children()
+
+
+def test_tensor_parallel_size_must_fit_the_heads():
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"):
+        check_tp_heads(4, 2, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 and the model's 6 KV heads"):
+        check_tp_heads(8, 6, 4)
+    check_tp_heads(4, 2, 4)  # each KV head on two ranks
+    check_tp_heads(8, 8, 2)  # four KV heads a rank
+
+
+def test_dummy_weights_do_not_depend_on_the_shard(tmp_path):
+    """load_format='dummy' draws each full checkpoint tensor from its own seed, so a rank's shard
+    of it is the same slice whatever the tensor-parallel size (and the same model each time)."""
+    from picovllm.config import ModelConfig
+    from picovllm.model.loader.model_loader import load_model
+
+    cfg = ModelConfig.from_dict(
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "vocab_size": 50,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+        }
+    )
+    a = load_model(cfg, None, torch.float32, torch.device("cpu"), 64, seed=1).state_dict()
+    b = load_model(cfg, None, torch.float32, torch.device("cpu"), 64, seed=1).state_dict()
+    c = load_model(cfg, None, torch.float32, torch.device("cpu"), 64, seed=2).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    weight = "model.layers.0.self_attn.qkv_proj.weight"
+    assert not torch.equal(a[weight], c[weight]) and a[weight].std() > 0.01
+    assert torch.equal(a["model.norm.weight"], torch.ones(32))
