@@ -163,6 +163,9 @@ class EngineConfig:
     # Launch each step before the previous one's tokens are read (on the device), so the
     # host's work overlaps the GPU's (vLLM's --async-scheduling); outputs are the same.
     async_scheduling: bool = True
+    # Ranks the model is split over (Megatron: attention heads and MLP columns; one all-reduce
+    # after each), each a process on its own GPU (or CPU); rank 0 is the engine's process.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -186,6 +189,11 @@ class EngineConfig:
             "must be an integer in [0, 8192]",
         )
         need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
+        need(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            "must be an integer >= 1",
+        )
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

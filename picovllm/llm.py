@@ -29,6 +29,10 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(model=model, dtype=dtype, device=device, seed=seed, **kwargs)
         self._request_counter = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor_parallel_size > 1); also done by del and at exit."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -128,7 +128,7 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
         t.copy_(saved)
     runner.mixed_graphs = EagerMixed()
     with torch.inference_mode():  # as the engine calls it (on CUDA, the upload buffers are inference tensors)
-        inputs, graphs = runner.prepare(batch)
+        inputs, graphs = runner.prepare(runner.step_inputs(batch))
     assert (
         graphs is runner.mixed_graphs and inputs.input_ids.shape == (16,) and inputs.meta.slot_mapping[12:].eq(-1).all()
     )

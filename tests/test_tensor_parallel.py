@@ -135,3 +135,106 @@ def test_dummy_weights_do_not_depend_on_the_shard(tmp_path):
     weight = "model.layers.0.self_attn.qkv_proj.weight"
     assert not torch.equal(a[weight], c[weight]) and a[weight].std() > 0.01
     assert torch.equal(a["model.norm.weight"], torch.ones(32))
+
+
+def _llm(path, **kwargs):
+    from conftest import engine_args
+
+    from picovllm import LLM
+
+    return LLM(**engine_args(path, skip_tokenizer_init=True, **kwargs))
+
+
+def _outputs(llm, prompts, params):
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_same(ours, ref, tol=1e-4):
+    """Tokens equal; each token's logprob within tol."""
+    assert [[t for t, _ in o] for o in ours] == [[t for t, _ in o] for o in ref]
+    for o, r in zip(ours, ref):
+        for (tokens, lps), (_, ref_lps) in zip(o, r):
+            for t, lp, ref_lp in zip(tokens, lps, ref_lps):
+                assert abs(lp[t].logprob - ref_lp[t].logprob) < tol
+
+
+@pytest.mark.parametrize(
+    "arch,kv_heads,tie,tp",
+    [("qwen2", 2, False, 2), ("llama", 1, True, 2), ("qwen2", 2, True, 4)],
+    ids=["qwen2-tp2", "llama-tp2-kv-replicated", "qwen2-tp4-kv-replicated"],
+)
+def test_tp_generates_what_tp1_generates(tmp_path, arch, kv_heads, tie, tp):
+    """Greedy and seeded n=2 requests with logprobs, prompts sharing a prefix (prefix caching),
+    chunked under a 24-token budget, in a pool of 24 blocks that makes requests preempt; steps
+    launched ahead (async scheduling), whose sampled tokens reach the other ranks from rank 0."""
+    import multiprocessing
+
+    from picovllm import SamplingParams
+
+    path = str(tmp_path)
+    build_model(path, arch, heads=4, kv_heads=kv_heads, tie=tie, bias=arch == "qwen2", tokenizer=False, seed=7)
+    shared = list(range(50, 70))
+    prompts = [{"prompt_token_ids": shared + list(range(100 + i, 100 + i + 3 * i + 2))} for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
+        if i % 2
+        else SamplingParams(temperature=0.8, n=2, seed=i, max_tokens=14, ignore_eos=True, logprobs=1)
+        for i in range(6)
+    ]
+    kw = dict(block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=24, max_num_seqs=6)
+    ref_llm = _llm(path, **kw)
+    ref = _outputs(ref_llm, prompts, params)
+    assert ref_llm.get_metrics()["num_preemptions"] > 0
+    llm = _llm(path, tensor_parallel_size=tp, **kw)
+    _assert_same(_outputs(llm, prompts, params), ref)
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hit_tokens"] > 0
+    assert llm.llm_engine.num_launched_ahead > 0
+    assert len(multiprocessing.active_children()) == tp - 1
+    llm.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_tp_that_does_not_fit_the_heads_fails_before_any_process_starts(tiny_qwen):
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 6 attention heads"):
+        _llm(tiny_qwen[0], tensor_parallel_size=4)
+    assert not multiprocessing.active_children()
+
+
+def test_a_killed_worker_is_an_error_naming_its_rank_and_nothing_is_left_behind(tmp_path):
+    import gc
+    import multiprocessing
+    import time
+
+    from picovllm import SamplingParams
+    from picovllm.engine.executor import WorkerError
+
+    path = str(tmp_path)
+    build_model(path, "qwen2", heads=4, kv_heads=2, tokenizer=False)
+    llm = _llm(path, tensor_parallel_size=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids) == 40
+    (worker,) = multiprocessing.active_children()
+    worker.kill()
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="tensor-parallel rank 1 failed: exited with code -9"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7 + i]} for i in range(4)], params, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    with pytest.raises(WorkerError, match="rank 1"):  # the engine stays failed, and says why
+        llm.generate({"prompt_token_ids": [1, 2]}, params, use_tqdm=False)
+    del llm
+    gc.collect()
+    assert not multiprocessing.active_children()
+
+
+def test_del_stops_the_workers(tiny_qwen):
+    import gc
+    import multiprocessing
+
+    llm = _llm(tiny_qwen[0], tensor_parallel_size=2)
+    assert len(multiprocessing.active_children()) == 1
+    del llm
+    gc.collect()
+    assert not multiprocessing.active_children()

@@ -1,6 +1,7 @@
 """The collectives of the tensor-parallel group that the model's layers call: an all-reduce of
 partial sums (row-parallel layers, the vocabulary-parallel embedding) and a gather of logit
-shards to the rank that samples. With a group of one they return their input."""
+shards to the rank that samples, and the broadcast of the tokens it sampled. With a group of one
+they return their input."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the ranks, in place."""
     if get_tp_size() > 1:
         dist.all_reduce(x, group=get_tp_group())
+    return x
+
+
+def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank, in place."""
+    if get_tp_size() > 1:
+        dist.broadcast(x, src=dist.get_global_rank(get_tp_group(), 0), group=get_tp_group())
     return x
 
 

@@ -18,8 +18,8 @@ import torch
 from picovllm import envs
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve_limits, resolve_max_model_len
 from picovllm.engine.detokenizer import Detokenizer
+from picovllm.engine.executor import Executor
 from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
-from picovllm.engine.model_runner import ModelRunner
 from picovllm.engine.request import Request
 from picovllm.engine.sampler import SamplerOutput, to_device
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -80,14 +80,15 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
         max_model_len = resolve_max_model_len(config, self.model_config)
-        self.model_runner = ModelRunner(
+        self.executor = Executor(
             config, self.model_config, path, self.dtype, self.device, max_model_len, self.eos_token_ids
         )
-        num_blocks = self.model_runner.num_kv_blocks(config)
+        self.model_runner = self.executor.driver  # rank 0's
+        num_blocks = self.executor.num_kv_blocks(config)
         self.max_model_len, self.max_num_batched_tokens = resolve_limits(
             config, max_model_len, num_blocks * config.block_size
         )
-        self.block_manager = self.model_runner.allocate_kv_cache(num_blocks)
+        self.block_manager = self.executor.allocate_kv_cache(num_blocks)
         self.graph_capture_s = self._capture_graphs()
         self.scheduler = Scheduler(
             self.block_manager,
@@ -108,6 +109,9 @@ class LLMEngine:
     def _capture_graphs(self) -> float | None:
         """CUDA graphs on a GPU unless enforce_eager (seconds of capture; None: none)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.executor.tp_size > 1:  # (capturing every rank's graphs together is not built)
+            logger.warning("tensor_parallel_size > 1 runs without CUDA graphs")
             return None
         if not (triton_utils.ENABLED and triton_utils.HAS_TRITON):
             # the PyTorch reference path syncs (nonzero, data-dependent shapes): not capturable
@@ -207,7 +211,7 @@ class LLMEngine:
         return outputs
 
     def _launch(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> _Step:
-        reqs, sampled = self.model_runner.run(batch, pending)
+        reqs, sampled = self.executor.run(batch, pending)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         tokens, copied = (sampled.sampled if sampled is not None else None), None
@@ -371,6 +375,10 @@ class LLMEngine:
         """Drop every cached block no running request uses; True if the cache is now empty."""
         self.scheduler.cache.reset()
         return self.scheduler.cache.num_cached_blocks == 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (also done when the engine is collected, and at exit)."""
+        self.executor.shutdown()
 
     def get_metrics(self) -> dict[str, int]:
         bm, cache = self.block_manager, self.scheduler.cache

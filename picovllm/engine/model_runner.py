@@ -5,11 +5,14 @@ serves the step), the sampler. The sampled tokens come back to the host in one t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from picovllm.config import EngineConfig, ModelConfig
+from picovllm.distributed.communicator import tp_broadcast
+from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.engine.inputs import ModelInputs, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
@@ -46,6 +49,8 @@ class ModelRunner:
         self._sampling_cache: tuple[list[Request], SamplingTensors] | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.tp_size = get_tp_size()
+        self.publish_step: Callable[[StepInputs, int], None] | None = None
 
     def kv_block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
@@ -110,29 +115,37 @@ class ModelRunner:
             seconds += self.mixed_graphs.capture()
         return seconds
 
-    def prepare(
-        self, batch: ScheduledBatch, pending: torch.Tensor | None = None
-    ) -> tuple[ModelInputs, DecodeGraphs | MixedGraphs | None]:
-        """The step's inputs, and the graphs that replay it (None: it runs eagerly). pending: for
-        a step launched ahead, the next input token of each of the batch's first len(pending)
-        requests, on the device (sampled by the step before, not yet read by the host); those
-        requests decode it."""
-        num_pending = 0 if pending is None else len(pending)
+    @staticmethod
+    def step_inputs(batch: ScheduledBatch, num_pending: int = 0) -> StepInputs:
+        """A scheduled batch as plain data (what every rank's forward needs). The first num_pending
+        requests decode a token sampled by the step before and not yet read by the host (a step
+        launched ahead): their input token is a placeholder, filled on the device (prepare)."""
         token_ids, context, sample = [], [], []
         for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
             end = r.num_computed_tokens + n
             token_ids.append([0] if i < num_pending else r.token_ids[end - n : end])
             context.append(end)
             sample.append(i < num_pending or end == len(r.token_ids))
-        step = StepInputs(
+        return StepInputs(
             token_ids,
             np.array(context, dtype=np.int64),
             np.array(batch.num_new_tokens, dtype=np.int64),
             [r.block_table for r in batch.requests],
             np.array(sample),
         )
+
+    def prepare(
+        self, step: StepInputs, pending: torch.Tensor | None = None, num_pending: int = 0
+    ) -> tuple[ModelInputs, DecodeGraphs | MixedGraphs | None]:
+        """The step's inputs, and the graphs that replay it (None: it runs eagerly). pending: the
+        num_pending tokens the step's first rows decode, on the device (on rank 0, which sampled
+        them; the other ranks receive them from it)."""
         inputs, graphs = self._build(step)
-        if pending is not None:  # (the pending rows decode: their tokens come first)
+        if num_pending:  # (the pending rows decode: their tokens come first)
+            if self.tp_size > 1:
+                if pending is None:
+                    pending = torch.empty(num_pending, dtype=torch.long, device=self.device)
+                tp_broadcast(pending)
             inputs.input_ids[:num_pending].copy_(pending)
         return inputs, graphs
 
@@ -159,7 +172,16 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
         """The raw logits of the positions that are sampled, one row per sampling request."""
-        inputs, graphs = self.prepare(batch, pending)
+        num_pending = 0 if pending is None else len(pending)
+        return self.step_logits(self.step_inputs(batch, num_pending), pending, num_pending)
+
+    @torch.inference_mode()
+    def step_logits(
+        self, step: StepInputs, pending: torch.Tensor | None = None, num_pending: int = 0
+    ) -> torch.Tensor | None:
+        """The forward of one step on this rank: the logits of the sampled positions on rank 0,
+        None on the others (see prepare for pending)."""
+        inputs, graphs = self.prepare(step, pending, num_pending)
         if graphs is not None:
             hidden = graphs.run(inputs)
         else:
@@ -167,7 +189,7 @@ class ModelRunner:
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
         elif graphs is not None:  # a decode graph's padding rows are not sampled
-            hidden = hidden[: len(batch.requests)]
+            hidden = hidden[: step.num_seqs]
         return self.model.compute_logits(hidden)
 
     def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
@@ -187,8 +209,12 @@ class ModelRunner:
     ) -> tuple[list[Request], SamplerOutput | None]:
         """One forward; the requests that sample and their samples (None when none samples).
         pending: see prepare()."""
-        reqs = self.sampling_requests(batch, 0 if pending is None else len(pending))
-        logits = self.logits(batch, pending)
+        num_pending = 0 if pending is None else len(pending)
+        reqs = self.sampling_requests(batch, num_pending)
+        step = self.step_inputs(batch, num_pending)
+        if self.publish_step is not None:  # the other ranks' copy of the step (engine/executor.py)
+            self.publish_step(step, num_pending)
+        logits = self.step_logits(step, pending, num_pending)
         # The sampling parameters are built while the forward runs (a new request's: about 0.2 ms
         # of host time that a lone request's first token would otherwise wait for); they reach
         # the device through pinned memory, which never waits for the queued forward.

@@ -100,6 +100,13 @@ def engine_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
     g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="split the model over this many GPUs (or CPU processes), one process each",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=fraction,
         default=0.9,
@@ -149,6 +156,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=args.enable_chunked_prefill,
         mixed_graph_tokens=args.mixed_graph_tokens,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed

@@ -1,0 +1,71 @@
+"""One tensor-parallel rank other than 0, in a process of its own: its device, its shard of the
+model and of the KV cache, and a model runner that runs every step's forward as rank 0 sends it
+(engine/executor.py). Rank 0, which samples, runs in the engine's process.
+
+Messages from rank 0, on a pipe: ("kv", num_blocks) allocates the KV pool, ("step", StepInputs,
+num_pending) runs a forward, None stops. The worker says ("joining", None) as it joins the
+process group, ("ready", num_kv_blocks) once its model is loaded, and ("error", message) before
+it exits on an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import torch
+
+from picovllm.config import EngineConfig, resolve_device, resolve_dtype
+from picovllm.distributed.parallel_state import destroy_distributed, init_distributed
+
+
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: GPU r (modulo the GPUs there are), or the CPU."""
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return device
+
+
+def worker_main(
+    rank: int, world_size: int, init_method: str, backend: str, engine_args: dict, max_model_len: int, conn
+) -> None:
+    from picovllm.engine.model_runner import ModelRunner
+    from picovllm.model.loader.model_loader import resolve_model
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
+    try:
+        config = EngineConfig(**engine_args)
+        device = worker_device(config, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        conn.send(("joining", None))  # (rank 0 joins the process group once every worker is this far)
+        init_distributed(world_size, rank, backend, init_method)
+        model_config, path = resolve_model(config.model)
+        torch.manual_seed(config.seed)
+        runner = ModelRunner(
+            config,
+            model_config,
+            path,
+            resolve_dtype(config.dtype, model_config.torch_dtype),
+            device,
+            max_model_len,
+            set(),
+        )
+        conn.send(("ready", runner.num_kv_blocks(config)))
+        while (msg := conn.recv()) is not None:
+            if msg[0] == "kv":
+                runner.allocate_kv_cache(msg[1])
+            else:
+                runner.step_logits(msg[1], None, msg[2])
+    except EOFError:  # rank 0 went away
+        return
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        destroy_distributed()
