@@ -19,14 +19,14 @@ MODEL = "tiny"
 KEY = "sk-test"
 
 
-@pytest.fixture(scope="module", params=["sync", "async_scheduling", "engine_process"])
+@pytest.fixture(scope="module", params=["sync", "async_scheduling", "engine_process", "engine_process_tp2"])
 def server(tiny_qwen, request):
     """(URL, the served LLMEngine (None when it runs in a process of its own), a separate LLM of
     the same model for expected outputs, the background engine). The served engine belongs to the
     server's engine thread or process. Its 16-token budget and 16 sequences make prompts go in
     chunks beside other streams' decodes, and requests queue; every test runs against the
     synchronous engine, one with async scheduling, and (the server's default) the engine in a
-    process of its own, with async scheduling."""
+    process of its own, with async scheduling, and that with tensor_parallel_size 2."""
     args = engine_args(
         tiny_qwen[0],
         max_model_len=256,
@@ -34,8 +34,9 @@ def server(tiny_qwen, request):
         max_num_batched_tokens=16,
         max_num_seqs=16,
         async_scheduling=request.param != "sync",
+        tensor_parallel_size=2 if request.param.endswith("tp2") else 1,
     )
-    if request.param == "engine_process":
+    if request.param.startswith("engine_process"):
         llm_engine, engine = None, EngineProcess(args)
     else:
         llm_engine = LLM(**args).llm_engine

@@ -241,6 +241,8 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     except BaseException as e:
         outputs.send(("error", e))
         raise
+    finally:
+        engine.shutdown()  # (its tensor-parallel workers)
 
 
 class EngineProcess(_Background):
@@ -253,9 +255,7 @@ class EngineProcess(_Background):
         ctx = multiprocessing.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)
         self._outputs, outputs = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(
-            target=_engine_main, args=(engine_args, commands, outputs), name="picovllm-engine", daemon=True
-        )
+        self._process = ctx.Process(target=_engine_main, args=(engine_args, commands, outputs), name="picovllm-engine")
         self._process.start()
         commands.close()
         outputs.close()
