@@ -7,6 +7,9 @@ other setting is an engine option (EngineConfig, CLI flags). The model cache's l
                                  an engine is built)
     PICOVLLM_DISABLE_TRITON=1    run the PyTorch reference of every kernel, also on a GPU (no
                                  CUDA graphs then; read when picovllm.kernels is imported)
+
+And what torchrun sets, to start the tensor-parallel ranks as its processes: RANK, WORLD_SIZE
+and LOCAL_RANK (torch.distributed reads MASTER_ADDR and MASTER_PORT itself).
 """
 
 from __future__ import annotations
@@ -24,3 +27,11 @@ def check_invariants() -> bool:
 
 def disable_triton() -> bool:
     return _flag("PICOVLLM_DISABLE_TRITON")
+
+
+def torchrun_ranks() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun started this process, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))

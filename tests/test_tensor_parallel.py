@@ -238,3 +238,57 @@ def test_del_stops_the_workers(tiny_qwen):
     del llm
     gc.collect()
     assert not multiprocessing.active_children()
+
+
+def test_torchrun_starts_the_ranks_and_generates_what_tp1_does(tiny_qwen, capsys):
+    """`torchrun --nproc-per-node 2 -m picovllm.entrypoints.cli generate -tp 2 ...` on 127.0.0.1:
+    rank 0 is the engine, rank 1 the worker, the step over a gloo group; the completions are tp=1's."""
+    import subprocess
+    import sys
+
+    from picovllm.entrypoints.cli import main
+
+    opts = [
+        "-m",
+        tiny_qwen[0],
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        str(16 << 20),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "10",
+        "--ignore-eos",
+        "-q",
+        "Hello world",
+        "The capital of",
+    ]
+    assert main(["generate", *opts]) == 0
+    expected = capsys.readouterr().out
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "picovllm.entrypoints.cli",
+            "generate",
+            "-tp",
+            "2",
+            *opts,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == expected and expected.strip()

@@ -18,6 +18,32 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class BroadcastChannel:
+    """Rank 0's messages to every other rank (Python objects over a gloo group of all ranks): how
+    the step reaches the workers when torchrun started them, on this machine or others."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+
+    def send(self, msg) -> None:
+        """On rank 0."""
+        with torch.inference_mode(False):  # (gloo's object collectives fail in inference mode)
+            dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def recv(self):
+        """On the other ranks: rank 0's next message."""
+        box = [None]
+        with torch.inference_mode(False):
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def min(self, value: int) -> int:
+        """The smallest value over the ranks (each passes its own)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
 def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x on every rank, in place."""
     if get_tp_size() > 1:

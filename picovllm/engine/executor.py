@@ -3,7 +3,9 @@ process: it builds each step's inputs, samples, and with tensor_parallel_size > 
 the step (plain data: StepInputs) to ranks 1..N-1, each a worker process (worker/worker.py),
 which run the same forward; the sampled tokens a step launched ahead decodes reach them from
 rank 0 over the process group (ModelRunner.prepare). With one rank there is no process and no
-message: the engine runs as it would without an executor.
+message: the engine runs as it would without an executor. Under torchrun (one process a rank,
+on one machine or several) the other ranks are torchrun's processes, which run
+worker.torchrun_worker, and the step reaches them over a gloo group (BroadcastChannel) instead.
 
 A worker that dies or raises makes the engine raise an error that names its rank and what it
 said, as soon as a collective or a message fails to reach it; shutdown() (also when the engine
@@ -20,7 +22,9 @@ import weakref
 
 import torch
 
+from picovllm import envs
 from picovllm.config import EngineConfig, ModelConfig
+from picovllm.distributed.communicator import BroadcastChannel
 from picovllm.distributed.parallel_state import destroy_distributed, init_distributed
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.inputs import StepInputs
@@ -78,6 +82,14 @@ def _stop(workers: list[_Worker], distributed: bool) -> None:
         destroy_distributed()
 
 
+def _stop_channel(channel: BroadcastChannel) -> None:
+    """Tell the workers torchrun started to stop (torchrun ends them if rank 0 cannot)."""
+    try:
+        channel.send(None)
+    finally:
+        destroy_distributed()
+
+
 class Executor:
     def __init__(
         self,
@@ -91,8 +103,18 @@ class Executor:
     ):
         self.tp_size = tp = config.tensor_parallel_size
         self.workers: list[_Worker] = []
+        self.channel: BroadcastChannel | None = None  # to the workers torchrun started
         self.error: WorkerError | None = None
-        if tp > 1:
+        launched = envs.torchrun_ranks()
+        if tp > 1 and launched is not None:
+            check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
+            if launched[1] != tp:
+                raise ValueError(f"torchrun started {launched[1]} processes for tensor_parallel_size {tp}")
+            init_distributed(tp, 0, "nccl" if device.type == "cuda" else "gloo")
+            self.channel = BroadcastChannel()
+            self.channel.send(max_model_len)
+            self._finalizer = weakref.finalize(self, _stop_channel, self.channel)
+        elif tp > 1:
             check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
             one_gpu_a_rank = device.type == "cuda" and torch.cuda.device_count() >= tp
             backend = "nccl" if one_gpu_a_rank else "gloo"  # (gloo: CPU tensors, or ranks sharing a GPU)
@@ -118,11 +140,13 @@ class Executor:
                 raise
             init_distributed(tp, 0, backend, init_method)
         self.driver = ModelRunner(config, model_config, path, dtype, device, max_model_len, eos_ids)
-        if self.workers:
+        if tp > 1:
             self.driver.publish_step = self._publish
 
     def num_kv_blocks(self, config: EngineConfig) -> int:
         """The KV blocks every rank can hold (each sizes its pool from its own device's memory)."""
+        if self.channel is not None:
+            return self.channel.min(self.driver.num_kv_blocks(config))
         counts = [self.driver.num_kv_blocks(config)]
         for w in self.workers:
             counts.append(self._expect(w, "ready"))
@@ -140,11 +164,15 @@ class Executor:
         return value
 
     def allocate_kv_cache(self, num_blocks: int) -> BlockManager:
+        if self.channel is not None:
+            self.channel.send(("kv", num_blocks))
         for w in self.workers:
             self._send(w, ("kv", num_blocks))
         return self.driver.allocate_kv_cache(num_blocks)
 
     def _publish(self, step: StepInputs, num_pending: int) -> None:
+        if self.channel is not None:
+            self.channel.send(("step", step, num_pending))
         for w in self.workers:
             self._send(w, ("step", step, num_pending))
 
@@ -177,5 +205,5 @@ class Executor:
             raise
 
     def shutdown(self) -> None:
-        if self.workers or self.tp_size > 1:
+        if self.tp_size > 1:
             self._finalizer()

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from picovllm import envs
 from picovllm.entrypoints.args import (
     engine_kwargs,
     engine_parser,
@@ -290,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the subcommand's parser, with its usage
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    launched = envs.torchrun_ranks()
+    if launched is not None and launched[0] > 0 and args.command in ("generate", "chat", "serve"):
+        from picovllm.worker.worker import torchrun_worker  # this process is a tensor-parallel rank
+
+        args.model = getattr(args, "model_tag", None) or args.model
+        return torchrun_worker(engine_kwargs(args))
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:

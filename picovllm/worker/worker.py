@@ -16,6 +16,7 @@ import signal
 
 import torch
 
+from picovllm import envs
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype
 from picovllm.distributed.parallel_state import destroy_distributed, init_distributed
 
@@ -69,3 +70,44 @@ def worker_main(
         raise
     finally:
         destroy_distributed()
+
+
+def torchrun_worker(engine_args: dict) -> int:
+    """Rank r > 0 of a torchrun launch (every rank runs the same command: rank 0 is the engine):
+    the same model runner, its messages from rank 0 over a BroadcastChannel; returns at rank 0's
+    None. Its failures end the process, and torchrun the others."""
+    from picovllm.distributed.communicator import BroadcastChannel
+    from picovllm.engine.model_runner import ModelRunner
+    from picovllm.model.loader.model_loader import resolve_model
+
+    rank, world_size, local_rank = envs.torchrun_ranks()
+    config = EngineConfig(**engine_args)
+    config.validate()
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    init_distributed(world_size, rank, "nccl" if device.type == "cuda" else "gloo")
+    try:
+        channel = BroadcastChannel()
+        max_model_len = channel.recv()
+        model_config, path = resolve_model(config.model)
+        torch.manual_seed(config.seed)
+        runner = ModelRunner(
+            config,
+            model_config,
+            path,
+            resolve_dtype(config.dtype, model_config.torch_dtype),
+            device,
+            max_model_len,
+            set(),
+        )
+        channel.min(runner.num_kv_blocks(config))
+        while (msg := channel.recv()) is not None:
+            if msg[0] == "kv":
+                runner.allocate_kv_cache(msg[1])
+            else:
+                runner.step_logits(msg[1], None, msg[2])
+    finally:
+        destroy_distributed()
+    return 0
