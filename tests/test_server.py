@@ -400,3 +400,27 @@ def test_sse_event_templates_serialise_as_json_dumps():
     for index, text in [(0, "ab"), (0, 'quote " back \\ nl \n'), (1, "é😀\x00\u2028"), (0, "")]:
         assert templates.event(index, text) == f"data: {json.dumps(chunk(index, text))}\n\n"
     assert sorted(templates.parts) == [0, 1]
+
+
+def test_a_dead_tensor_parallel_worker_fails_the_server_loudly(tiny_qwen):
+    """With tensor_parallel_size 2, killing the engine's worker fails the request in flight with
+    an error that names the rank, /health turns 503, and shutting down leaves no process."""
+    import os
+    import signal
+    import subprocess
+
+    engine = EngineProcess(engine_args(tiny_qwen[0], max_model_len=256, block_size=4, tensor_parallel_size=2))
+    url, stop = serve_in_thread(build_app(engine, MODEL))
+    try:
+        assert _post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None).status_code == 200
+        (worker,) = subprocess.run(["pgrep", "-P", str(engine.pid)], capture_output=True, text=True).stdout.split()
+        os.kill(int(worker), signal.SIGKILL)
+        r = _post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True}, key=None)
+        assert r.status_code == 500 and "tensor-parallel rank 1" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+    finally:
+        stop()
+        engine.shutdown()
+    engine._process.join(timeout=10)
+    assert not engine._process.is_alive()
+    assert subprocess.run(["pgrep", "-P", str(engine.pid)], capture_output=True).stdout == b""
