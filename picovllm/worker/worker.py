@@ -29,12 +29,29 @@ def worker_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
-def worker_main(
-    rank: int, world_size: int, init_method: str, backend: str, engine_args: dict, max_model_len: int, conn
-) -> None:
+def _model_runner(config: EngineConfig, device: torch.device, max_model_len: int):
+    """This rank's shard of the model, in a model runner (it never samples: no EOS ids)."""
     from picovllm.engine.model_runner import ModelRunner
     from picovllm.model.loader.model_loader import resolve_model
 
+    model_config, path = resolve_model(config.model)
+    torch.manual_seed(config.seed)
+    dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
+    return ModelRunner(config, model_config, path, dtype, device, max_model_len, set())
+
+
+def _follow(runner, recv) -> None:
+    """Run rank 0's messages until its None: ("kv", num_blocks), ("step", StepInputs, num_pending)."""
+    while (msg := recv()) is not None:
+        if msg[0] == "kv":
+            runner.allocate_kv_cache(msg[1])
+        else:
+            runner.step_logits(msg[1], None, msg[2])
+
+
+def worker_main(
+    rank: int, world_size: int, init_method: str, backend: str, engine_args: dict, max_model_len: int, conn
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     try:
         config = EngineConfig(**engine_args)
@@ -45,23 +62,9 @@ def worker_main(
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         conn.send(("joining", None))  # (rank 0 joins the process group once every worker is this far)
         init_distributed(world_size, rank, backend, init_method)
-        model_config, path = resolve_model(config.model)
-        torch.manual_seed(config.seed)
-        runner = ModelRunner(
-            config,
-            model_config,
-            path,
-            resolve_dtype(config.dtype, model_config.torch_dtype),
-            device,
-            max_model_len,
-            set(),
-        )
+        runner = _model_runner(config, device, max_model_len)
         conn.send(("ready", runner.num_kv_blocks(config)))
-        while (msg := conn.recv()) is not None:
-            if msg[0] == "kv":
-                runner.allocate_kv_cache(msg[1])
-            else:
-                runner.step_logits(msg[1], None, msg[2])
+        _follow(runner, conn.recv)
     except EOFError:  # rank 0 went away
         return
     except BaseException as e:
@@ -77,8 +80,6 @@ def torchrun_worker(engine_args: dict) -> int:
     the same model runner, its messages from rank 0 over a BroadcastChannel; returns at rank 0's
     None. Its failures end the process, and torchrun the others."""
     from picovllm.distributed.communicator import BroadcastChannel
-    from picovllm.engine.model_runner import ModelRunner
-    from picovllm.model.loader.model_loader import resolve_model
 
     rank, world_size, local_rank = envs.torchrun_ranks()
     config = EngineConfig(**engine_args)
@@ -91,23 +92,9 @@ def torchrun_worker(engine_args: dict) -> int:
     try:
         channel = BroadcastChannel()
         max_model_len = channel.recv()
-        model_config, path = resolve_model(config.model)
-        torch.manual_seed(config.seed)
-        runner = ModelRunner(
-            config,
-            model_config,
-            path,
-            resolve_dtype(config.dtype, model_config.torch_dtype),
-            device,
-            max_model_len,
-            set(),
-        )
+        runner = _model_runner(config, device, max_model_len)
         channel.min(runner.num_kv_blocks(config))
-        while (msg := channel.recv()) is not None:
-            if msg[0] == "kv":
-                runner.allocate_kv_cache(msg[1])
-            else:
-                runner.step_logits(msg[1], None, msg[2])
+        _follow(runner, channel.recv)
     finally:
         destroy_distributed()
     return 0
