@@ -106,8 +106,9 @@ class Executor:
         self.channel: BroadcastChannel | None = None  # to the workers torchrun started
         self.error: WorkerError | None = None
         launched = envs.torchrun_ranks()
-        if tp > 1 and launched is not None:
+        if tp > 1:  # before any process starts
             check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
+        if tp > 1 and launched is not None:
             if launched[1] != tp:
                 raise ValueError(f"torchrun started {launched[1]} processes for tensor_parallel_size {tp}")
             init_distributed(tp, 0, "nccl" if device.type == "cuda" else "gloo")
@@ -115,7 +116,6 @@ class Executor:
             self.channel.send(max_model_len)
             self._finalizer = weakref.finalize(self, _stop_channel, self.channel)
         elif tp > 1:
-            check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
             one_gpu_a_rank = device.type == "cuda" and torch.cuda.device_count() >= tp
             backend = "nccl" if one_gpu_a_rank else "gloo"  # (gloo: CPU tensors, or ranks sharing a GPU)
             init_method = f"tcp://127.0.0.1:{_free_port()}"
