@@ -159,16 +159,6 @@ class ModelRunner:
                 return build_mixed_graph(step, self.block_size, self.upload, pad), self.mixed_graphs
         return build_eager(step, self.block_size, self.upload), None
 
-    @staticmethod
-    def sampling_requests(batch: ScheduledBatch, num_pending: int = 0) -> list[Request]:
-        """The requests whose last token this step computes: each samples one token (the first
-        num_pending decode a token not yet appended: see prepare)."""
-        return [
-            r
-            for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True))
-            if i < num_pending or r.num_computed_tokens + n == r.num_tokens
-        ]
-
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
         """The raw logits of the positions that are sampled, one row per sampling request."""
@@ -210,8 +200,9 @@ class ModelRunner:
         """One forward; the requests that sample and their samples (None when none samples).
         pending: see prepare()."""
         num_pending = 0 if pending is None else len(pending)
-        reqs = self.sampling_requests(batch, num_pending)
         step = self.step_inputs(batch, num_pending)
+        # the requests whose last token this step computes (step.sample): each samples one token
+        reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         if self.publish_step is not None:  # the other ranks' copy of the step (engine/executor.py)
             self.publish_step(step, num_pending)
         logits = self.step_logits(step, pending, num_pending)
