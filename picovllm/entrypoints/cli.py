@@ -36,11 +36,11 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _check_prompts(kwargs: dict, prompts: list[str], params, chat: bool) -> None:
-    """What can be checked before the weights load (about a second against the many a model
-    takes): every prompt (with chat, as a user message in the chat template) is tokenized and
-    checked against the model's context and the sampling parameters; the engine checks again
-    against what its KV cache holds."""
+def _prompt_ids(kwargs: dict, prompts: list[str], params, chat: bool) -> list[dict]:
+    """The prompts as checked token ids, before the weights load (about a second against the
+    many a model takes): each (with chat, as a user message in the chat template) tokenized and
+    checked against the model's context and the sampling parameters; the engine checks the ids
+    again against what its KV cache holds."""
     from picovllm.config import EngineConfig, resolve_max_model_len
     from picovllm.engine.input_processor import load_tokenizer, process_prompt, tokenizer_source
     from picovllm.model.loader.model_loader import resolve_model
@@ -51,6 +51,7 @@ def _check_prompts(kwargs: dict, prompts: list[str], params, chat: bool) -> None
     source = tokenizer_source(config, path)
     tokenizer = load_tokenizer(source) if source else None
     max_model_len = resolve_max_model_len(config, model_config)
+    checked = []
     for prompt in prompts:
         if chat and tokenizer is not None:
             if not tokenizer.chat_template:
@@ -59,7 +60,9 @@ def _check_prompts(kwargs: dict, prompts: list[str], params, chat: bool) -> None
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
             prompt = tokenizer.encode(text, add_special_tokens=False)
-        process_prompt(prompt, params, tokenizer, model_config.vocab_size, max_model_len)
+        _, ids = process_prompt(prompt, params, tokenizer, model_config.vocab_size, max_model_len)
+        checked.append({"prompt_token_ids": ids})
+    return checked
 
 
 def _start(kwargs: dict, quiet: bool = False):
@@ -100,13 +103,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     params = sampling_params(args, max_tokens=256, temperature=0.7)
     kwargs = engine_kwargs(args)
-    _check_prompts(kwargs, prompts, params, args.chat_template)
+    prompt_ids = _prompt_ids(kwargs, prompts, params, args.chat_template)
     llm = _start(kwargs, args.quiet)
     start = time.perf_counter()
-    if args.chat_template:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    outputs = llm.generate(prompt_ids, params, use_tqdm=not args.quiet)
     seconds = time.perf_counter() - start
     first = True
     for prompt, out in zip(prompts, outputs, strict=True):
