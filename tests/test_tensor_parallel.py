@@ -292,3 +292,38 @@ def test_torchrun_starts_the_ranks_and_generates_what_tp1_does(tiny_qwen, capsys
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout == expected and expected.strip()
+
+
+def test_torchrun_with_another_number_of_processes_than_tp_is_a_clear_error(tiny_qwen):
+    """Two torchrun processes for -tp 1 would leave rank 1 waiting for a group rank 0 never forms."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "picovllm.entrypoints.cli",
+            "generate",
+            "-m",
+            tiny_qwen[0],
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "2",
+            "Hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0
+    assert "picovllm generate: error: torchrun started 2 processes for tensor_parallel_size 1" in run.stderr

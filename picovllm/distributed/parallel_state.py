@@ -48,3 +48,10 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1
+
+
+def check_torchrun_world(world_size: int, tensor_parallel_size: int) -> None:
+    """Under torchrun every process is a rank: their number must be the tensor-parallel size (else
+    some rank would wait for a process group that never forms)."""
+    if world_size != tensor_parallel_size:
+        raise ValueError(f"torchrun started {world_size} processes for tensor_parallel_size {tensor_parallel_size}")

@@ -25,7 +25,7 @@ import torch
 from picovllm import envs
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import BroadcastChannel
-from picovllm.distributed.parallel_state import destroy_distributed, init_distributed
+from picovllm.distributed.parallel_state import check_torchrun_world, destroy_distributed, init_distributed
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.inputs import StepInputs
 from picovllm.engine.model_runner import ModelRunner
@@ -108,9 +108,9 @@ class Executor:
         launched = envs.torchrun_ranks()
         if tp > 1:  # before any process starts
             check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
+        if launched is not None:
+            check_torchrun_world(launched[1], tp)
         if tp > 1 and launched is not None:
-            if launched[1] != tp:
-                raise ValueError(f"torchrun started {launched[1]} processes for tensor_parallel_size {tp}")
             init_distributed(tp, 0, "nccl" if device.type == "cuda" else "gloo")
             self.channel = BroadcastChannel()
             self.channel.send(max_model_len)

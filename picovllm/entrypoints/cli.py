@@ -292,12 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # said by the subcommand's parser, with its usage
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     launched = envs.torchrun_ranks()
-    if launched is not None and launched[0] > 0 and args.command in ("generate", "chat", "serve"):
-        from picovllm.worker.worker import torchrun_worker  # this process is a tensor-parallel rank
-
-        args.model = getattr(args, "model_tag", None) or args.model
-        return torchrun_worker(engine_kwargs(args))
     try:
+        if launched is not None and launched[0] > 0 and args.command in ("generate", "chat", "serve"):
+            from picovllm.worker.worker import torchrun_worker  # this process is a tensor-parallel rank
+
+            args.model = getattr(args, "model_tag", None) or args.model
+            return torchrun_worker(engine_kwargs(args))
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"picovllm {args.command}: error: {e}", file=sys.stderr)

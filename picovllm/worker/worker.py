@@ -18,7 +18,7 @@ import torch
 
 from picovllm import envs
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype
-from picovllm.distributed.parallel_state import destroy_distributed, init_distributed
+from picovllm.distributed.parallel_state import check_torchrun_world, destroy_distributed, init_distributed
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
@@ -84,6 +84,7 @@ def torchrun_worker(engine_args: dict) -> int:
     rank, world_size, local_rank = envs.torchrun_ranks()
     config = EngineConfig(**engine_args)
     config.validate()
+    check_torchrun_world(world_size, config.tensor_parallel_size)
     device = resolve_device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
