@@ -1,6 +1,6 @@
 """What it costs to bring a step's StepInputs from rank 0 to a tensor-parallel worker (CPU): a
 pipe (pickle, send, the worker unpickles and answers one byte: a round trip; what
-engine/executor.py uses) against a gloo broadcast_object_list; decode steps at batch 1 and 256,
+executor/executor.py uses) against a gloo broadcast_object_list; decode steps at batch 1 and 256,
 each sequence 1,024 tokens in (64 blocks of 16).
 
 Usage: python benchmarks/tp_message.py"""
@@ -13,7 +13,7 @@ import numpy as np
 
 
 def step(batch):
-    from picovllm.engine.inputs import StepInputs
+    from picovllm.worker.inputs import StepInputs
 
     tables = [list(range(i * 64, i * 64 + 64)) for i in range(batch)]
     ones = np.ones(batch, dtype=np.int64)

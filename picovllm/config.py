@@ -158,7 +158,7 @@ class EngineConfig:
     enforce_eager: bool = False
     # Steps with prompt tokens of up to this many tokens replay CUDA graphs too (token counts 16,
     # 32, ... up to it, like vLLM's capture sizes up to 512); 0: they run eagerly
-    # (engine/cuda_graph.py).
+    # (worker/cuda_graph.py).
     mixed_graph_tokens: int = 512
     # Launch each step before the previous one's tokens are read (on the device), so the
     # host's work overlaps the GPU's (vLLM's --async-scheduling); outputs are the same.

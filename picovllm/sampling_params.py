@@ -114,6 +114,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         """Build from a dict, rejecting unknown keys with a message that names them."""

@@ -54,6 +54,25 @@ def test_n_gives_distinct_samples(llm):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
+def test_seeded_generators_live_as_long_as_their_requests(llm):
+    """The model runner keeps a seeded request's generator by its id while it runs, and forgets it
+    when it finishes: the same id, seeded again, samples the same tokens."""
+    engine = llm.llm_engine
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
+    engine.add_request("s", "Hello", params)
+    engine.add_request("plain", "Hello", SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert sorted(engine.model_runner.generators) == ["s-0", "s-1"]
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.model_runner.generators == {} and engine.scheduler.finished_ids == []
+    engine.add_request("s", "Hello", params)
+    while engine.has_unfinished_requests():
+        again = [o for o in engine.step() if o.finished] or None
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in outs["s"].outputs]
+
+
 def test_stop_strings_are_trimmed(llm):
     tok = llm.get_tokenizer()
     free = llm.generate("The capital", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[
@@ -307,13 +326,9 @@ def test_max_tokens_none_runs_to_max_model_len(tiny_qwen):
 def test_kv_cache_memory_sizes_the_pool_on_any_device(tiny_qwen):
     """kv_cache_memory, when given, sets the pool on any device (vLLM's kv_cache_memory_bytes;
     on CUDA it overrides gpu_memory_utilization); num_gpu_blocks_override overrides both."""
-    from picovllm.engine.block_manager import BlockManager
-
     engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], kv_cache_memory=3 << 20))
     cfg = engine.model_config
-    per_block = BlockManager.bytes_per_block(
-        16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, engine.model_runner.dtype
-    )
+    per_block = 2 * 16 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # fp32 K and V
     assert engine.block_manager.num_total_blocks == (3 << 20) // per_block
     engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], num_gpu_blocks_override=7))
     assert engine.block_manager.num_total_blocks == 7

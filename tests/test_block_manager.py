@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 from conftest import make_llm
 
 from picovllm import SamplingParams
@@ -11,9 +10,7 @@ from picovllm.engine.block_manager import BlockManager, NoFreeBlocksError
 
 
 def _bm(num_blocks=8):
-    return BlockManager(
-        num_blocks, 4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu")
-    )
+    return BlockManager(num_blocks, 4)
 
 
 def test_allocate_free_and_refcounts():

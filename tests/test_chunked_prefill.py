@@ -35,11 +35,9 @@ def test_a_long_prompt_is_chunked_and_mixed_with_decodes(tiny_qwen):
     for _ in range(4):
         batch = engine.scheduler.schedule()
         steps.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
-        reqs, sampled = engine.model_runner.run(batch)
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-        engine._process(reqs, sampled.sampled.tolist(), sampled)
-        sampled_by.append([r.request_id for r in reqs])
+        launched = engine._launch(batch)  # the forward; the requests that sample and their tokens
+        engine._process(launched.reqs, launched.sampled.sampled.tolist(), launched.sampled)
+        sampled_by.append([r.request_id for r in launched.reqs])
         engine.check_invariants()
     # 23 prompt tokens in chunks of 9, 9, 5 beside the short request's decodes, then a decode;
     # the long request samples once its last prompt token is computed, not before

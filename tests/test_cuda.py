@@ -20,7 +20,9 @@ import torch
 from hf_reference import assert_greedy_match, hf_greedy
 
 from picovllm import LLM, SamplingParams
+from picovllm.engine.llm_engine import step_inputs
 from picovllm.model.loader.builtin import DUMMY_CONFIGS
+from picovllm.worker.sampler import SamplerOutput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -106,9 +108,9 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
     ours, seqs = [], []
     while engine.has_unfinished_requests():  # logits of the prefill and of each decode step
         batch = engine.scheduler.schedule()
-        ours.append(engine.model_runner.logits(batch).float())
+        ours.append(engine.model_runner.step_logits(step_inputs(batch)).float())
         seqs += [list(r.token_ids) for r in batch.requests]
-        sampled = engine.model_runner.sampler(ours[-1], _greedy(engine, batch.requests))
+        sampled = SamplerOutput(ours[-1].argmax(dim=-1), None, None, None, None)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         engine._process(batch.requests, sampled.sampled.tolist(), sampled)
@@ -138,12 +140,6 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
     print(f"bf16: greedy tokens equal before the first near-tie (top-2 gap < {tie_tol:.3f}), per prompt: {compared}")
     del llm, engine, hf16
     _free_gpu()
-
-
-def _greedy(engine, reqs):
-    from picovllm.engine.sampler import SamplingTensors
-
-    return SamplingTensors.from_requests(reqs, engine.model_config.vocab_size, engine.eos_token_ids, engine.device)
 
 
 def _greedy_outputs(llm, prompts, n, logprobs=None):

@@ -4,8 +4,9 @@ batch into the static buffers. (Capture and replay run in scripts/gpu_check.sh.)
 import numpy as np
 import torch
 
-from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
-from picovllm.engine.inputs import MixedPadding, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
+from picovllm.engine.llm_engine import step_inputs
+from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
+from picovllm.worker.inputs import MixedPadding, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
 
 CPU_UPLOAD = Uploader(torch.device("cpu"))
 
@@ -116,19 +117,19 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     batch = engine.scheduler.schedule()
     assert batch.num_new_tokens == [1, 11] and not batch.is_decode
     free_before = engine.block_manager.num_free_blocks
-    caches = [t.clone() for t in engine.block_manager.layer_caches()[0]]
-    unpadded = runner.logits(batch)
-    stored = [t.clone() for t in engine.block_manager.layer_caches()[0]]
+    caches = [t.clone() for t in runner.kv_cache[0]]
+    unpadded = runner.step_logits(step_inputs(batch))
+    stored = [t.clone() for t in runner.kv_cache[0]]
 
     class EagerMixed:  # MixedGraphs' padding without the graphs
         padding = staticmethod(lambda tokens, seqs, work_items: MixedPadding(16, 4, 3))
         run = staticmethod(lambda inputs: runner.model(inputs.input_ids, inputs.positions, inputs.meta))
 
-    for t, saved in zip(engine.block_manager.layer_caches()[0], caches):
+    for t, saved in zip(runner.kv_cache[0], caches):
         t.copy_(saved)
     runner.mixed_graphs = EagerMixed()
     with torch.inference_mode():  # as the engine calls it (on CUDA, the upload buffers are inference tensors)
-        inputs, graphs = runner.prepare(runner.step_inputs(batch))
+        inputs, graphs = runner.prepare(step_inputs(batch))
     assert (
         graphs is runner.mixed_graphs and inputs.input_ids.shape == (16,) and inputs.meta.slot_mapping[12:].eq(-1).all()
     )
@@ -137,8 +138,8 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
         0,
     ]
     assert inputs.meta.prefill_work.tolist() == [1 << 16, -1, -1]  # b's one query block; a is the decode kernel's
-    padded = runner.logits(batch)
+    padded = runner.step_logits(step_inputs(batch))
     torch.testing.assert_close(padded, unpadded, atol=1e-5, rtol=1e-5)
-    for t, expected in zip(engine.block_manager.layer_caches()[0], stored):
+    for t, expected in zip(runner.kv_cache[0], stored):
         torch.testing.assert_close(t, expected, atol=1e-5, rtol=1e-5)
     assert engine.block_manager.num_free_blocks == free_before

@@ -7,6 +7,8 @@ from hf_reference import assert_greedy_match, hf_greedy
 from tiny_models import build_model
 
 from picovllm import SamplingParams
+from picovllm.engine.llm_engine import step_inputs
+from picovllm.worker.sampler import SamplerOutput
 
 TOL = 1e-3  # fp32 near-tie tolerance on the reference's top-2 logits
 PROMPT_LENS = [1, 5, 15, 16, 17, 33, 47]
@@ -52,21 +54,21 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     batch = engine.scheduler.schedule()
     assert batch.num_new_tokens == [len(p) for p in prompts] and not batch.is_decode
-    ours = engine.model_runner.logits(batch)
+    ours = engine.model_runner.step_logits(step_inputs(batch))
     with torch.no_grad():
         for row, p in zip(ours, prompts):
             ref = hf(torch.tensor([p])).logits[0, -1]
             torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
-    _process(engine, batch, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
+    _process(engine, batch, _greedy(ours))
     for _ in range(3):  # decode steps: compare logits of the next position
         batch = engine.scheduler.schedule()
         assert batch.is_decode
-        ours = engine.model_runner.logits(batch)
+        ours = engine.model_runner.step_logits(step_inputs(batch))
         with torch.no_grad():
             for row, req in zip(ours, batch.requests):
                 ref = hf(torch.tensor([req.token_ids])).logits[0, -1]
                 torch.testing.assert_close(row.cpu(), ref, atol=1e-4, rtol=1e-4)
-        _process(engine, batch, engine.model_runner.sampler(ours, _greedy_tensors(engine, batch.requests)))
+        _process(engine, batch, _greedy(ours))
 
 
 def _process(engine, batch, sampled):
@@ -76,10 +78,8 @@ def _process(engine, batch, sampled):
     engine._process(batch.requests, sampled.sampled.tolist(), sampled)
 
 
-def _greedy_tensors(engine, reqs):
-    from picovllm.engine.sampler import SamplingTensors
-
-    return SamplingTensors.from_requests(reqs, engine.model_config.vocab_size, engine.eos_token_ids, engine.device)
+def _greedy(logits):
+    return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -5,7 +5,6 @@ invariant checker after every step, and identical outputs with the cache on and 
 import random
 
 import pytest
-import torch
 from conftest import make_llm
 
 from picovllm import SamplingParams
@@ -93,7 +92,7 @@ def _req(tokens, rid="r"):
 
 
 def _cache(num_blocks=16):
-    bm = BlockManager(num_blocks, BS, 1, 1, 4, torch.float32, torch.device("cpu"))
+    bm = BlockManager(num_blocks, BS)
     return bm, PrefixCache(bm, enabled=True)
 
 

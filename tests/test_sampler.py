@@ -5,17 +5,24 @@ import math
 import pytest
 import torch
 
+from picovllm.engine.llm_engine import sampling_batch
 from picovllm.engine.request import Request
-from picovllm.engine.sampler import Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p
 from picovllm.sampling_params import SamplingParams
+from picovllm.worker.sampler import Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p
 
 NEG = float("-inf")
 
 
-def _req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed_gen=None) -> Request:
-    r = Request("r", "r", 0, None, list(prompt), params, 0, seed_gen)
+def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
+    r = Request("r", "r", 0, None, list(prompt), params, 0, params.seed)
     r.token_ids += list(output)
     return r
+
+
+def _tensors(reqs: list[Request], vocab: int, eos_ids=frozenset(), generators=None) -> SamplingTensors:
+    """The sampling tensors of these requests, as the engine and the model runner build them."""
+    generators = generators or [None] * len(reqs)
+    return SamplingTensors.from_batch(sampling_batch(reqs, []), generators, vocab, set(eos_ids), torch.device("cpu"))
 
 
 def _kept(logits: torch.Tensor) -> list[list[int]]:
@@ -61,7 +68,7 @@ def test_penalties_as_vllm_defines_them():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0]])
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     req = _req(params, prompt=[0, 1], output=[2, 2, 1])
-    t = SamplingTensors.from_requests([req], 5, set(), torch.device("cpu"))
+    t = _tensors([req], 5)
     out = apply_penalties(logits, t)
     # token 0: in prompt -> 2/2 = 1; token 1: prompt+output once -> -2*2 - 0.25 - 0.5 = -4.75
     # token 2: output twice -> 1/2 - 0.5 - 0.5 = -0.5; tokens 3, 4 unseen: unchanged
@@ -72,16 +79,16 @@ def test_min_tokens_masks_eos_and_stop_ids():
     sampler = Sampler()
     logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
-    t = SamplingTensors.from_requests([_req(params)], 4, {1}, torch.device("cpu"))
+    t = _tensors([_req(params)], 4, {1})
     assert sampler(logits, t).sampled.tolist() == [3]  # EOS 1 and stop id 2 banned
-    t = SamplingTensors.from_requests([_req(params, output=[3, 3])], 4, {1}, torch.device("cpu"))
+    t = _tensors([_req(params, output=[3, 3])], 4, {1})
     assert sampler(logits, t).sampled.tolist() == [1]  # min_tokens reached
 
 
 def test_greedy_and_logprobs():
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
     reqs = [_req(SamplingParams(temperature=0, logprobs=2)), _req(SamplingParams(temperature=0))]
-    out = Sampler()(logits, SamplingTensors.from_requests(reqs, 3, set(), torch.device("cpu")))
+    out = Sampler()(logits, _tensors(reqs, 3))
     assert out.sampled.tolist() == [1, 2]
     raw = logits.log_softmax(-1)
     torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.sampled[:, None])[:, 0])
@@ -94,12 +101,12 @@ def _sample_seq(params, others, steps=20, vocab=50):
     torch.manual_seed(123)
     logits = torch.randn(steps, vocab)
     gen = torch.Generator().manual_seed(params.seed)
-    me = _req(params, seed_gen=gen)
+    me = _req(params)
     tokens = []
     for s in range(steps):
         batch = others + [me] if s % 2 else [me] + others
         rows = torch.stack([logits[s]] * len(batch))
-        t = SamplingTensors.from_requests(batch, vocab, set(), torch.device("cpu"))
+        t = _tensors(batch, vocab, generators=[gen if r is me else None for r in batch])
         tokens.append(Sampler()(rows, t).sampled[batch.index(me)].item())
     return tokens
 
@@ -117,7 +124,7 @@ def test_sampling_follows_the_distribution():
     torch.manual_seed(0)
     logits = torch.tensor([[math.log(0.7), math.log(0.2), math.log(0.1)]]).repeat(4000, 1)
     reqs = [_req(SamplingParams(temperature=1.0)) for _ in range(4000)]
-    out = Sampler()(logits, SamplingTensors.from_requests(reqs, 3, set(), torch.device("cpu"))).sampled
+    out = Sampler()(logits, _tensors(reqs, 3)).sampled
     freq = torch.bincount(out, minlength=3).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
 
@@ -161,22 +168,26 @@ def test_unknown_parameter_rejected():
 
 
 def test_sampling_tensors_follow_the_batch(tiny_qwen):
-    """The runner reuses a step's sampling tensors only for the very same requests: a request
-    reusing a finished one's id with other parameters gets its own; a min_tokens ban is rebuilt
-    every step while it lasts."""
+    """The runner reuses a step's sampling tensors only for the very same requests, and forgets
+    them when the requests finish: a request reusing a finished one's id with other parameters
+    gets its own; a min_tokens ban is rebuilt every step while it lasts."""
     from picovllm import LLMEngine
 
     engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
     runner = engine.model_runner
-    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.5, max_tokens=2, ignore_eos=True))
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True))
     engine.step()
     first = runner._sampling_cache[1]
     engine.step()  # same request: same tensors
-    assert runner._sampling_cache[1] is first and not engine.has_unfinished_requests()
-    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=1.5, max_tokens=1, ignore_eos=True))
+    assert runner._sampling_cache[1] is first
+    engine.step()
+    assert not engine.has_unfinished_requests() and runner._sampling_cache is None
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=1.5, max_tokens=2, ignore_eos=True))
     engine.step()
     assert runner._sampling_cache[1] is not first
     assert runner._sampling_cache[1].temperature.tolist() == [1.5]
+    while engine.has_unfinished_requests():
+        engine.step()
     engine.add_request("b", [5, 6, 7], SamplingParams(temperature=0.5, max_tokens=3, min_tokens=2))
     engine.step()
     assert runner._sampling_cache is None  # a ban in force: rebuilt each step

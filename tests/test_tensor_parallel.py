@@ -3,6 +3,7 @@ shard of a tiny model; the logits rank 0 gathers equal transformers' (fp32)."""
 
 import multiprocessing
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +27,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
     one decode step of each prompt's greedy token. Rank 0 saves the logits of every position."""
     from picovllm.distributed.parallel_state import destroy_distributed, get_tp_size, init_distributed
     from picovllm.engine.block_manager import BlockManager
-    from picovllm.engine.inputs import StepInputs, Uploader, build_eager
     from picovllm.model.loader.model_loader import load_model, resolve_model
+    from picovllm.worker.inputs import StepInputs, Uploader, build_eager
 
     torch.set_num_threads(1)
     init_distributed(world, rank, "gloo", f"tcp://127.0.0.1:{port}")
@@ -36,9 +37,10 @@ def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
     cpu = torch.device("cpu")
     model = load_model(cfg, path, torch.float32, cpu, 1024)
     layers = model.attention_layers()
-    pool = BlockManager(64, BLOCK_SIZE, len(layers), layers[0].num_kv_heads, layers[0].head_dim, torch.float32, cpu)
-    for attn, (k, v) in zip(layers, pool.layer_caches()):
-        attn.k_cache, attn.v_cache = k, v
+    for attn in layers:
+        shape = (64, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
+        attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+    pool = BlockManager(64, BLOCK_SIZE)
     tables = [pool.allocate(-(-(len(p) + 1) // BLOCK_SIZE)) for p in PROMPTS]
     upload = Uploader(cpu)
 
@@ -209,7 +211,7 @@ def test_a_killed_worker_is_an_error_naming_its_rank_and_nothing_is_left_behind(
     import time
 
     from picovllm import SamplingParams
-    from picovllm.engine.executor import WorkerError
+    from picovllm.executor.executor import WorkerError
 
     path = str(tmp_path)
     build_model(path, "qwen2", heads=4, kv_heads=2, tokenizer=False)
@@ -240,11 +242,19 @@ def test_del_stops_the_workers(tiny_qwen):
     assert not multiprocessing.active_children()
 
 
+def _torchrun(*cli_args: str):
+    """`torchrun --nproc-per-node 2 -m picovllm.entrypoints.cli ARGS` on 127.0.0.1."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    command += ["--master-port", str(_free_port()), "-m", "picovllm.entrypoints.cli", *cli_args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
 def test_torchrun_starts_the_ranks_and_generates_what_tp1_does(tiny_qwen, capsys):
     """`torchrun --nproc-per-node 2 -m picovllm.entrypoints.cli generate -tp 2 ...` on 127.0.0.1:
     rank 0 is the engine, rank 1 the worker, the step over a gloo group; the completions are tp=1's."""
-    import subprocess
-    import sys
 
     from picovllm.entrypoints.cli import main
 
@@ -268,62 +278,72 @@ def test_torchrun_starts_the_ranks_and_generates_what_tp1_does(tiny_qwen, capsys
     ]
     assert main(["generate", *opts]) == 0
     expected = capsys.readouterr().out
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "picovllm.entrypoints.cli",
-            "generate",
-            "-tp",
-            "2",
-            *opts,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _torchrun("generate", "-tp", "2", *opts)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout == expected and expected.strip()
 
 
+def test_a_torchrun_bench_runs_rank_0s_engine_on_both_ranks(tiny_qwen):
+    """bench throughput under torchrun: rank 1 follows the engine rank 0 builds (its config sent over)."""
+    import json
+
+    opts = ["-m", tiny_qwen[0], "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", str(16 << 20)]
+    run = _torchrun("bench", "throughput", *opts, "-tp", "2", "--num-prompts", "4", "--min-len", "5", "--max-len", "9")
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "throughput" and result["requests"] == 4 and result["output_tok_s"] > 0, result
+    run = _torchrun("bench", "prefix", *opts, "-tp", "2")
+    assert run.returncode != 0 and "bench prefix builds two engines in turn" in run.stderr
+
+
 def test_torchrun_with_another_number_of_processes_than_tp_is_a_clear_error(tiny_qwen):
     """Two torchrun processes for -tp 1 would leave rank 1 waiting for a group rank 0 never forms."""
-    import subprocess
-    import sys
 
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "picovllm.entrypoints.cli",
-            "generate",
-            "-m",
-            tiny_qwen[0],
-            "--device",
-            "cpu",
-            "--max-tokens",
-            "2",
-            "Hello",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _torchrun("generate", "-m", tiny_qwen[0], "--device", "cpu", "--max-tokens", "2", "Hello")
     assert run.returncode != 0
     assert "picovllm generate: error: torchrun started 2 processes for tensor_parallel_size 1" in run.stderr
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie waiting to be reaped (its parent has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_ctrl_c_during_generate_stops_every_rank(tiny_qwen):
+    """SIGINT to a process generating with tp=2: it exits with KeyboardInterrupt within seconds,
+    and its worker with it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import engine_args
+from picovllm import LLM, SamplingParams
+llm = LLM(**engine_args({tiny_qwen[0]!r}, skip_tokenizer_init=True, tensor_parallel_size=2))
+print(llm.llm_engine.executor.workers[0].process.pid, flush=True)
+params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+while True:
+    llm.generate([{{"prompt_token_ids": [5, 6, 7 + i]}} for i in range(8)], params, use_tqdm=False)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(1.0)  # generating
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 8  # (a worker stuck in a collective is killed after 5 s)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    deadline = time.monotonic() + 5
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker)

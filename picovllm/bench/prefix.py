@@ -16,6 +16,7 @@ tokens (benchmarks/README.md).
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 
@@ -98,7 +99,7 @@ def match_insert_us(prompt_len: int = 2000, iters: int = 2000, seed: int = 0) ->
     from picovllm.engine.prefix_cache import PrefixCache
     from picovllm.engine.request import Request
 
-    bm = BlockManager(4 * prompt_len // 16 + 16, 16, 1, 1, 4, torch.float32, torch.device("cpu"))
+    bm = BlockManager(4 * prompt_len // 16 + 16, 16)
     cache = PrefixCache(bm, enabled=True)
     rng = random.Random(seed)
     prompt = [rng.randrange(150000) for _ in range(prompt_len)]
@@ -130,50 +131,68 @@ def match_insert_us(prompt_len: int = 2000, iters: int = 2000, seed: int = 0) ->
     return times[len(times) // 2] * 1e6
 
 
+def _measure(llm, mode: str, scenarios: dict, warmup: dict, floors: Floors, repeat: int) -> dict[str, dict]:
+    """One engine (prefix caching `mode`, "on" or "off") through every scenario: its columns of
+    each scenario's row. A warm-up first runs every scenario on other random tokens of the same
+    lengths, so that kernel compilation (a GPU JIT) falls outside the timings; "cold" means the
+    cache is."""
+    for prompts in warmup.values():
+        _ttfts(llm, prompts[:9])
+        _wall(llm, prompts, 1)
+        llm.reset_prefix_cache()
+    rows = {}
+    for name, prompts in scenarios.items():
+        rounds = 3 if name.startswith("a") else 1
+        llm.reset_prefix_cache()
+        before = llm.get_metrics()
+        ttft, cached = _ttfts(llm, prompts[: 9 if rounds == 3 else 8])
+        after = llm.get_metrics()
+        queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
+        hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+        first = 3 if rounds == 3 else 1  # the cold requests
+        cold, warm = ttft[:first], ttft[first:]
+        floor = [floors.seconds(len(p), c) for p, c in zip(prompts[first:], cached[first:])]
+        row = rows[name] = {
+            f"ttft_cold_ms_{mode}": 1e3 * sum(cold) / len(cold),
+            f"ttft_warm_ms_{mode}": 1e3 * sum(warm) / len(warm),
+            f"hit_rate_{mode}": hits / max(queried, 1),
+            f"ttft_warm_floor_ms_{mode}": 1e3 * sum(floor) / len(floor),
+        }
+        row[f"warm_{mode}_of_floor"] = row[f"ttft_warm_floor_ms_{mode}"] / row[f"ttft_warm_ms_{mode}"]
+        walls = []
+        for _ in range(repeat):  # the best of `repeat`
+            llm.reset_prefix_cache()
+            walls.append(_wall(llm, prompts, rounds))
+        row[f"wall_s_{mode}"] = min(walls)
+    return rows
+
+
 def run_prefix(llm_kwargs: dict, seed: int = 0, repeat: int = 3, scale: float = 1.0) -> list[dict]:
+    """The cache on, then off: one engine at a time (so that tensor-parallel engines, one a
+    process, run it too)."""
     from picovllm import LLM
 
     kwargs = {**llm_kwargs, "skip_tokenizer_init": True}
     kwargs.pop("enable_prefix_caching", None)  # both settings are run
-    if "gpu_memory_utilization" not in llm_kwargs or llm_kwargs["gpu_memory_utilization"] == 0.9:
-        kwargs["gpu_memory_utilization"] = 0.4  # two engines side by side
-    engines = {"on": LLM(**kwargs, enable_prefix_caching=True), "off": LLM(**kwargs, enable_prefix_caching=False)}
-    vocab = min(engines["on"].llm_engine.model_config.vocab_size, 30000)
-    scenarios = _scenarios(random.Random(seed), vocab, scale)
-    # Warm-up: each engine runs every scenario once on other random tokens of the same lengths, so
-    # that kernel compilation (a GPU JIT) falls outside the timings; "cold" means the cache is.
-    for prompts in _scenarios(random.Random(seed + 1), vocab, scale).values():
-        for llm in engines.values():
-            _ttfts(llm, prompts[:9])
-            _wall(llm, prompts, 1)
-            llm.reset_prefix_cache()
-    floors_of = Floors(engines["on"])
+    columns, floors_of, scenarios, device = {}, None, None, None
+    for mode in ("on", "off"):
+        llm = LLM(**kwargs, enable_prefix_caching=mode == "on")
+        if floors_of is None:
+            vocab = min(llm.llm_engine.model_config.vocab_size, 30000)
+            scenarios = _scenarios(random.Random(seed), vocab, scale)
+            warmup = _scenarios(random.Random(seed + 1), vocab, scale)
+            floors_of, device = Floors(llm), str(llm.llm_engine.device)
+        for name, cols in _measure(llm, mode, scenarios, warmup, floors_of, repeat).items():
+            columns.setdefault(name, {}).update(cols)
+        llm.shutdown()
+        del llm
+        gc.collect()  # (the next engine sizes its KV pool from the memory this one leaves)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     rows = []
-    for name, prompts in scenarios.items():
-        rounds = 3 if name.startswith("a") else 1
-        row = {"scenario": name}
-        for mode, llm in engines.items():
-            llm.reset_prefix_cache()
-            before = llm.get_metrics()
-            ttft, cached = _ttfts(llm, prompts[: 9 if rounds == 3 else 8])
-            after = llm.get_metrics()
-            queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
-            hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
-            first = 3 if rounds == 3 else 1  # the cold requests
-            cold, warm = ttft[:first], ttft[first:]
-            row[f"ttft_cold_ms_{mode}"] = 1e3 * sum(cold) / len(cold)
-            row[f"ttft_warm_ms_{mode}"] = 1e3 * sum(warm) / len(warm)
-            row[f"hit_rate_{mode}"] = hits / max(queried, 1)
-            floors = [floors_of.seconds(len(p), c) for p, c in zip(prompts[first:], cached[first:])]
-            row[f"ttft_warm_floor_ms_{mode}"] = 1e3 * sum(floors) / len(floors)
-            row[f"warm_{mode}_of_floor"] = row[f"ttft_warm_floor_ms_{mode}"] / row[f"ttft_warm_ms_{mode}"]
-        walls = {"on": float("inf"), "off": float("inf")}
-        for _ in range(repeat):  # the two take turns; each keeps its best
-            for mode, llm in engines.items():
-                llm.reset_prefix_cache()
-                walls[mode] = min(walls[mode], _wall(llm, prompts, rounds))
-        row["wall_s_on"], row["wall_s_off"] = walls["on"], walls["off"]
-        row["wall_on_vs_off"] = walls["on"] / walls["off"] - 1
+    for name, row in columns.items():
+        row = {"scenario": name, **row}
+        row["wall_on_vs_off"] = row["wall_s_on"] / row["wall_s_off"] - 1
         row["warm_ttft_speedup"] = row["ttft_warm_ms_off"] / row["ttft_warm_ms_on"]
         row["warm_ttft_bound"] = row["ttft_warm_floor_ms_off"] / row["ttft_warm_floor_ms_on"]
         rows.append(row)
@@ -203,7 +222,7 @@ def run_prefix(llm_kwargs: dict, seed: int = 0, repeat: int = 3, scale: float = 
         "prefix",
         {
             "model": llm_kwargs.get("model"),
-            "device": str(engines["on"].llm_engine.device),
+            "device": device,
             "match_insert_us": us,
             "gemm_tflop_s": floors_of.flop_s / 1e12,
             "copy_bandwidth_gb_s": floors_of.byte_s / 1e9,

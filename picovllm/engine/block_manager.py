@@ -1,4 +1,6 @@
-"""The paged KV cache: pre-allocated block pools and their accounting.
+"""The paged KV cache's accounting: which blocks are free, and how many holders each has. The
+blocks themselves (K and V tensors) are on every rank, in its model runner; their ids are
+the same on every rank.
 
 The BlockManager offers mechanisms (allocate, reference counts, free); the scheduler
 decides policy (whom to admit, whom to preempt). It knows nothing of requests or of a prefix
@@ -12,8 +14,6 @@ once) or used (ref >= 1); free + used = total.
 from __future__ import annotations
 
 from collections import deque
-
-import torch
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -63,32 +63,11 @@ class BlockPool:
 
 
 class BlockManager:
-    """Owns the KV pool of the compute device.
+    """The blocks of the KV pool (num_blocks of block_size tokens) and their reference counts."""
 
-    Pool layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], so that
-    one layer's K (or V) cache is a contiguous [num_blocks, block_size, heads, head_dim] view.
-    """
-
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
+    def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
-        self.device = device
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        # zeros, not empty: padded reads of never-written slots must be finite for masked attention
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.gpu = BlockPool(num_blocks)
-
-    @staticmethod
-    def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def num_total_blocks(self) -> int:
@@ -117,9 +96,6 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self.gpu.ref_counts[block_id]
-
-    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer[0], layer[1]) for layer in self.kv_cache]
 
     def check_invariants(self) -> None:
         self.gpu.check_invariants()

@@ -1,32 +1,37 @@
 """LLMEngine: requests in, one scheduled forward per step(), RequestOutputs out.
 
-batch = scheduler.schedule()                   # who runs, and how many tokens each
-reqs, sampled = model_runner.run(batch)        # tensors -> model -> sampler
-outputs = self._process(reqs, tokens, sampled) # append tokens, detokenize, finish, free
+batch = scheduler.schedule()                        # who runs, and how many tokens each
+step, sampling = step_inputs(batch), sampling_batch(reqs)  # the batch as plain data
+sampled = executor.run(step, sampling)              # every rank's forward; rank 0 samples
+outputs = self._process(reqs, tokens, sampled)      # append tokens, detokenize, finish, free
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from picovllm import envs
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve_limits, resolve_max_model_len
+from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.detokenizer import Detokenizer
-from picovllm.engine.executor import Executor
 from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
 from picovllm.engine.request import Request
-from picovllm.engine.sampler import SamplerOutput, to_device
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
+from picovllm.executor.executor import Executor
 from picovllm.kernels import triton_utils
 from picovllm.model.loader.model_loader import resolve_model
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
+from picovllm.worker.inputs import StepInputs
+from picovllm.worker.sampler import SamplerOutput, SamplingBatch, to_device
 
 logger = logging.getLogger("picovllm")
 
@@ -53,6 +58,40 @@ def _to_host(out: SamplerOutput) -> SamplerOutput:
         return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
     return SamplerOutput(*(copy(getattr(out, f.name)) for f in fields(out)))
+
+
+def step_inputs(batch: ScheduledBatch, num_pending: int = 0) -> StepInputs:
+    """A scheduled batch as plain data (what every rank's forward needs). The first num_pending
+    requests decode a token sampled by the step before and not yet read by the host (a step
+    launched ahead): their input token is a placeholder, filled on the device (ModelRunner.prepare)."""
+    token_ids, context, sample = [], [], []
+    for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+        end = r.num_computed_tokens + n
+        token_ids.append([0] if i < num_pending else r.token_ids[end - n : end])
+        context.append(end)
+        sample.append(i < num_pending or end == len(r.token_ids))
+    return StepInputs(
+        token_ids,
+        np.array(context, dtype=np.int64),
+        np.array(batch.num_new_tokens, dtype=np.int64),
+        [r.block_table for r in batch.requests],
+        np.array(sample),
+    )
+
+
+def sampling_batch(reqs: list[Request], finished_ids: list[str]) -> SamplingBatch:
+    """The sampling rows of the requests that sample, as plain data (a pending row's output so
+    far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban)."""
+    penalties = any(r.params.has_penalties for r in reqs)
+    return SamplingBatch(
+        [r.request_id for r in reqs],
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [r.num_output_tokens for r in reqs],
+        [r.prompt_token_ids for r in reqs] if penalties else None,
+        [r.output_token_ids for r in reqs] if penalties else None,
+        finished_ids,
+    )
 
 
 @dataclass
@@ -88,7 +127,8 @@ class LLMEngine:
         self.max_model_len, self.max_num_batched_tokens = resolve_limits(
             config, max_model_len, num_blocks * config.block_size
         )
-        self.block_manager = self.executor.allocate_kv_cache(num_blocks)
+        self.executor.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
         self.graph_capture_s = self._capture_graphs()
         self.scheduler = Scheduler(
             self.block_manager,
@@ -101,6 +141,7 @@ class LLMEngine:
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
         self.async_scheduling = config.async_scheduling
+        self._last_sampling: tuple[list[Request], SamplingBatch] | None = None  # (see _sampling_batch)
         self._inflight: _Step | None = None  # a step launched ahead, its tokens not read yet
         self.num_launched_ahead = self.num_dropped_ahead = 0  # steps launched ahead; tokens they computed in vain
         self._arrivals = itertools.count()
@@ -110,15 +151,15 @@ class LLMEngine:
         """CUDA graphs on a GPU unless enforce_eager (seconds of capture; None: none)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
-        if self.executor.tp_size > 1:  # (capturing every rank's graphs together is not built)
-            logger.warning("tensor_parallel_size > 1 runs without CUDA graphs")
+        if not self.executor.graphs_capturable:
+            logger.warning("tensor-parallel ranks sharing a GPU talk over gloo, which graphs cannot capture: eager")
             return None
         if not (triton_utils.ENABLED and triton_utils.HAS_TRITON):
             # the PyTorch reference path syncs (nonzero, data-dependent shapes): not capturable
             logger.warning("CUDA graphs need the Triton kernels (disabled or missing): running eager")
             return None
         mixed_tokens = min(self.config.mixed_graph_tokens, self.max_num_batched_tokens)
-        return self.model_runner.capture_graphs(self.config.max_num_seqs, self.max_model_len, mixed_tokens)
+        return self.executor.capture_graphs(self.config.max_num_seqs, self.max_model_len, mixed_tokens)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> LLMEngine:
@@ -149,11 +190,9 @@ class LLMEngine:
         whole batch first, then queues it, so that bad input queues nothing)."""
         children = []
         for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed((params.seed + i * 1_000_003) % _MAX_SEED)
+            seed = None if params.seed is None else (params.seed + i * 1_000_003) % _MAX_SEED
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(child_id, request_id, i, text, ids, params, next(self._arrivals), gen, self.max_model_len)
+            req = Request(child_id, request_id, i, text, ids, params, next(self._arrivals), seed, self.max_model_len)
             if self.detokenizer is not None:
                 self.detokenizer.start(req)
             children.append(req)
@@ -204,6 +243,8 @@ class LLMEngine:
         outputs = self._process(step.reqs, tokens, step.sampled)
         if not self.groups:
             self._inflight = None  # nothing left to read from a step launched ahead
+            self.model_runner.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)
+            self._last_sampling = None
         if self.debug_invariants:
             self.check_invariants()
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)
@@ -211,7 +252,12 @@ class LLMEngine:
         return outputs
 
     def _launch(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> _Step:
-        reqs, sampled = self.executor.run(batch, pending)
+        num_pending = 0 if pending is None else len(pending)
+        step = step_inputs(batch, num_pending)
+        # the requests whose last token this step computes (step.sample): each samples one token
+        reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
+        sampling = self._sampling_batch(reqs) if reqs else None
+        sampled = self.executor.run(step, sampling, pending)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         tokens, copied = (sampled.sampled if sampled is not None else None), None
@@ -220,6 +266,23 @@ class LLMEngine:
             copied = torch.cuda.Event()
             copied.record()
         return _Step(batch, reqs, tokens, sampled, copied)
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        """The step's SamplingBatch: the previous step's when the same requests sample again, none
+        has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
+        reached: the model runner then reuses its tensors too); else a new one."""
+        finished = self.scheduler.take_finished_ids()
+        last = self._last_sampling
+        if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
+            return last[1]
+        batch = sampling_batch(reqs, finished)
+        static = (
+            not finished  # (a batch is sent once with the ids of the requests finished before it)
+            and batch.prompt_ids is None
+            and all(r.num_output_tokens >= r.params.min_tokens for r in reqs)
+        )
+        self._last_sampling = (reqs, batch) if static else None
+        return batch
 
     def _launch_ahead(self, step: _Step) -> _Step | None:
         """Launch the step that follows `step` before its tokens are read, when its schedule does
@@ -231,12 +294,7 @@ class LLMEngine:
             return None
         running = set(map(id, sched.running))
         if any(
-            id(r) not in running
-            or r.params.repetition_penalty != 1
-            or r.params.presence_penalty
-            or r.params.frequency_penalty
-            or r.num_output_tokens < r.params.min_tokens
-            for r in reqs
+            id(r) not in running or r.params.has_penalties or r.num_output_tokens < r.params.min_tokens for r in reqs
         ):
             return None
         # a request whose token in flight is its last (max_tokens, max_model_len) finishes

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from picovllm.outputs import Logprob
 from picovllm.sampling_params import SamplingParams
 
@@ -26,7 +24,7 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival: int,
-        generator: torch.Generator | None,
+        seed: int | None,
         max_model_len: int | None = None,
     ):
         self.request_id = request_id
@@ -44,7 +42,7 @@ class Request:
         ]
         self.max_num_tokens = min(limits, default=None)
         self.arrival = arrival
-        self.generator = generator
+        self.seed = seed  # of its own generator (on the rank that samples); None: the global one
         self.status = RequestStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose KV came from the prefix cache this admission

@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.finished_ids: list[str] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -174,6 +175,12 @@ class Scheduler:
         self.cache.release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.finished_ids.append(req.request_id)
+
+    def take_finished_ids(self) -> list[str]:
+        """The requests finished since the last call (the model runner drops what it kept of them)."""
+        ids, self.finished_ids = self.finished_ids, []
+        return ids
 
     def check_invariants(self, ahead: list[Request] = ()) -> None:
         """`ahead`: requests in a step launched before the last one's tokens were read; they have

@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     launched = envs.torchrun_ranks()
     try:
-        if launched is not None and launched[0] > 0 and args.command in ("generate", "chat", "serve"):
+        if launched is not None and args.command == "bench" and args.bench == "prefix":
+            raise ValueError("bench prefix builds two engines in turn, a torchrun launch one: use -tp without torchrun")
+        if launched is not None and launched[0] > 0 and args.command in ("generate", "chat", "serve", "bench"):
             from picovllm.worker.worker import torchrun_worker  # this process is a tensor-parallel rank
 
             args.model = getattr(args, "model_tag", None) or args.model

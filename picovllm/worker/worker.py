@@ -1,6 +1,6 @@
 """One tensor-parallel rank other than 0, in a process of its own: its device, its shard of the
 model and of the KV cache, and a model runner that runs every step's forward as rank 0 sends it
-(engine/executor.py). Rank 0, which samples, runs in the engine's process.
+(executor/executor.py). Rank 0, which samples, runs in the engine's process.
 
 Messages from rank 0, on a pipe: ("kv", num_blocks) allocates the KV pool, ("step", StepInputs,
 num_pending) runs a forward, None stops. The worker says ("joining", None) as it joins the
@@ -31,8 +31,8 @@ def worker_device(config: EngineConfig, rank: int) -> torch.device:
 
 def _model_runner(config: EngineConfig, device: torch.device, max_model_len: int):
     """This rank's shard of the model, in a model runner (it never samples: no EOS ids)."""
-    from picovllm.engine.model_runner import ModelRunner
     from picovllm.model.loader.model_loader import resolve_model
+    from picovllm.worker.model_runner import ModelRunner
 
     model_config, path = resolve_model(config.model)
     torch.manual_seed(config.seed)
@@ -41,12 +41,27 @@ def _model_runner(config: EngineConfig, device: torch.device, max_model_len: int
 
 
 def _follow(runner, recv) -> None:
-    """Run rank 0's messages until its None: ("kv", num_blocks), ("step", StepInputs, num_pending)."""
-    while (msg := recv()) is not None:
-        if msg[0] == "kv":
-            runner.allocate_kv_cache(msg[1])
-        else:
-            runner.step_logits(msg[1], None, msg[2])
+    """Run rank 0's messages until its None: ("kv", num_blocks), ("graphs", max_num_seqs,
+    max_model_len, mixed_graph_tokens), ("step", StepInputs, num_pending). The graphs are freed
+    before the process group is (a graph holding NCCL's work hung at exit otherwise)."""
+    try:
+        while (msg := recv()) is not None:
+            if msg[0] == "step":
+                runner.step_logits(msg[1], None, msg[2])
+            elif msg[0] == "kv":
+                runner.allocate_kv_cache(msg[1])
+            else:
+                runner.capture_graphs(*msg[1:])
+    finally:
+        runner.free_graphs()
+
+
+def _stopping(conn) -> bool:
+    """Whether rank 0's next message is its None (stop), or rank 0 is gone."""
+    try:
+        return conn.poll(0) and conn.recv() is None
+    except (EOFError, OSError):
+        return True
 
 
 def worker_main(
@@ -68,6 +83,8 @@ def worker_main(
     except EOFError:  # rank 0 went away
         return
     except BaseException as e:
+        if _stopping(conn):  # rank 0 left the process group mid-step, and said so: not a failure
+            return
         with contextlib.suppress(OSError):
             conn.send(("error", f"{type(e).__name__}: {e}"))
         raise
@@ -76,9 +93,10 @@ def worker_main(
 
 
 def torchrun_worker(engine_args: dict) -> int:
-    """Rank r > 0 of a torchrun launch (every rank runs the same command: rank 0 is the engine):
-    the same model runner, its messages from rank 0 over a BroadcastChannel; returns at rank 0's
-    None. Its failures end the process, and torchrun the others."""
+    """Rank r > 0 of a torchrun launch (every rank runs the same command: rank 0 is the engine, and
+    sends its engine's config, which this rank then follows; its own options name the device and
+    the world): the same model runner, its messages from rank 0 over a BroadcastChannel; returns
+    at rank 0's None (one engine a launch). Its failures end the process, and torchrun the others."""
     from picovllm.distributed.communicator import BroadcastChannel
 
     rank, world_size, local_rank = envs.torchrun_ranks()
@@ -92,7 +110,8 @@ def torchrun_worker(engine_args: dict) -> int:
     init_distributed(world_size, rank, "nccl" if device.type == "cuda" else "gloo")
     try:
         channel = BroadcastChannel()
-        max_model_len = channel.recv()
+        engine_args, max_model_len = channel.recv()
+        config = EngineConfig(**engine_args)
         runner = _model_runner(config, device, max_model_len)
         channel.min(runner.num_kv_blocks(config))
         _follow(runner, channel.recv)

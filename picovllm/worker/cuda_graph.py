@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from picovllm.engine.inputs import MixedPadding, ModelInputs, packed_layout
 from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
 from picovllm.model.layers.attention import AttentionMetadata
+from picovllm.worker.inputs import MixedPadding, ModelInputs, packed_layout
 
 logger = logging.getLogger("picovllm")
 

@@ -10,13 +10,31 @@ Log-probabilities are those of the raw model output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from picovllm.engine.request import Request
+from picovllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """The rows of a step that sample, as plain data (one per request, in the order of the
+    step's sampled positions), built by the engine: what the sampler needs of each request."""
+
+    request_ids: list[str]
+    params: list[SamplingParams]
+    seeds: list[int | None]  # the seed of each request's own generator (None: the global one)
+    num_output_tokens: list[int]  # (min_tokens bans EOS and stop tokens until reached)
+    prompt_ids: list[list[int]] | None = None  # when any row has penalties
+    output_ids: list[list[int]] | None = None
+    finished_ids: list[str] = field(default_factory=list)  # gone since the last step: generators dropped
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
 
 
 @dataclass
@@ -41,10 +59,15 @@ class SamplingTensors:
         return self.all_greedy or self.greedy is not None
 
     @classmethod
-    def from_requests(
-        cls, reqs: list[Request], vocab_size: int, eos_ids: set[int], device: torch.device
+    def from_batch(
+        cls,
+        batch: SamplingBatch,
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        eos_ids: set[int],
+        device: torch.device,
     ) -> SamplingTensors:
-        params = [r.params for r in reqs]
+        params = batch.params
 
         def column(values, dtype=torch.float32, off=None):
             if off is not None and all(v == off for v in values):
@@ -54,14 +77,10 @@ class SamplingTensors:
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params)
-        prompt_ids = output_ids = None
-        if penalties:
-            prompt_ids = _pad([r.prompt_token_ids for r in reqs], vocab_size, device)
-            output_ids = _pad([r.output_token_ids for r in reqs], vocab_size, device)
+        penalties = batch.prompt_ids is not None
         banned_rows, banned_ids = [], []
-        for i, (r, p) in enumerate(zip(reqs, params)):
-            if r.num_output_tokens < p.min_tokens:
+        for i, (n, p) in enumerate(zip(batch.num_output_tokens, params)):
+            if n < p.min_tokens:
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
                 banned_rows += [i] * len(ids)
                 banned_ids += sorted(ids)
@@ -74,12 +93,12 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty for p in params])[:, None] if penalties else None,
             presence_penalty=column([p.presence_penalty for p in params])[:, None] if penalties else None,
             frequency_penalty=column([p.frequency_penalty for p in params])[:, None] if penalties else None,
-            prompt_ids=prompt_ids,
-            output_ids=output_ids,
+            prompt_ids=_pad(batch.prompt_ids, vocab_size, device) if penalties else None,
+            output_ids=_pad(batch.output_ids, vocab_size, device) if penalties else None,
             banned=(to_device(banned_rows, torch.long, device), to_device(banned_ids, torch.long, device))
             if banned_rows
             else None,
-            generators=[r.generator for r in reqs],
+            generators=generators,
             all_greedy=all_greedy,
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )

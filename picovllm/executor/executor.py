@@ -1,11 +1,12 @@
-"""Runs the model on every tensor-parallel rank. Rank 0's model runner is here, in the engine's
-process: it builds each step's inputs, samples, and with tensor_parallel_size > 1 first sends
-the step (plain data: StepInputs) to ranks 1..N-1, each a worker process (worker/worker.py),
-which run the same forward; the sampled tokens a step launched ahead decodes reach them from
-rank 0 over the process group (ModelRunner.prepare). With one rank there is no process and no
-message: the engine runs as it would without an executor. Under torchrun (one process a rank,
-on one machine or several) the other ranks are torchrun's processes, which run
-worker.torchrun_worker, and the step reaches them over a gloo group (BroadcastChannel) instead.
+"""Runs each step on every tensor-parallel rank: engine -> executor -> workers -> model runners.
+Rank 0's model runner is here, in the engine's process, and samples; with
+tensor_parallel_size > 1 the executor first sends the step (plain data: StepInputs) to ranks
+1..N-1, each a worker process (worker/worker.py), which run the same forward; the sampled
+tokens a step launched ahead decodes reach them from rank 0 over the process group
+(ModelRunner.prepare). With one rank there is no process and no message: the engine runs as it
+would without an executor. Under torchrun (one process a rank, on one machine or several) the
+other ranks are torchrun's processes, which run worker.torchrun_worker, and the step reaches
+them over a gloo group (BroadcastChannel) instead.
 
 A worker that dies or raises makes the engine raise an error that names its rank and what it
 said, as soon as a collective or a message fails to reach it; shutdown() (also when the engine
@@ -14,6 +15,7 @@ is collected, and at exit) stops every worker and leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import socket
@@ -26,13 +28,14 @@ from picovllm import envs
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import BroadcastChannel
 from picovllm.distributed.parallel_state import check_torchrun_world, destroy_distributed, init_distributed
-from picovllm.engine.block_manager import BlockManager
-from picovllm.engine.inputs import StepInputs
-from picovllm.engine.model_runner import ModelRunner
 from picovllm.model.layers.linear import check_tp_heads
+from picovllm.worker.inputs import StepInputs
+from picovllm.worker.model_runner import ModelRunner
+from picovllm.worker.sampler import SamplerOutput, SamplingBatch
 from picovllm.worker.worker import worker_main
 
 START_TIMEOUT_S = 600.0  # a worker loading a large model
+STOP_GRACE_S = 5.0  # a worker told to stop exits in well under a second, unless stuck in a collective
 
 
 class WorkerError(RuntimeError):
@@ -65,29 +68,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(workers: list[_Worker], distributed: bool) -> None:
-    for w in workers:
-        try:
-            w.conn.send(None)
-        except OSError:
-            pass
-    deadline = time.monotonic() + 10
+def _stop(workers: list[_Worker], runners: list[ModelRunner], channel: BroadcastChannel | None) -> None:
+    """Stop the ranks: rank 0's CUDA graphs go before the process group (one holding NCCL's work
+    hung at exit otherwise); the workers are told to stop (torchrun's by rank 0's None: torchrun
+    ends them if rank 0 cannot tell them), then rank 0 leaves the process group, which ends the
+    collective a worker may be waiting in (rank 0 interrupted mid-step: Ctrl-C) or not (gloo may
+    wait on): the workers are waited for STOP_GRACE_S, then killed."""
+    for runner in runners:
+        runner.free_graphs()
+    runners.clear()
+    try:
+        if channel is not None:
+            channel.send(None)
+        for w in workers:
+            with contextlib.suppress(OSError):
+                w.conn.send(None)
+    finally:
+        destroy_distributed()
+        _join(workers)
+
+
+def _join(workers: list[_Worker]) -> None:
+    deadline = time.monotonic() + STOP_GRACE_S
     for w in workers:
         w.process.join(timeout=max(0.1, deadline - time.monotonic()))
         if w.process.is_alive():
             w.process.kill()
             w.process.join(timeout=5)
     workers.clear()
-    if distributed:
-        destroy_distributed()
-
-
-def _stop_channel(channel: BroadcastChannel) -> None:
-    """Tell the workers torchrun started to stop (torchrun ends them if rank 0 cannot)."""
-    try:
-        channel.send(None)
-    finally:
-        destroy_distributed()
 
 
 class Executor:
@@ -105,6 +113,8 @@ class Executor:
         self.workers: list[_Worker] = []
         self.channel: BroadcastChannel | None = None  # to the workers torchrun started
         self.error: WorkerError | None = None
+        self.graphs_capturable = True  # CUDA graphs capture NCCL's collectives, not gloo's
+        self._runners: list[ModelRunner] = []  # rank 0's, once loaded (for _stop)
         launched = envs.torchrun_ranks()
         if tp > 1:  # before any process starts
             check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
@@ -113,11 +123,12 @@ class Executor:
         if tp > 1 and launched is not None:
             init_distributed(tp, 0, "nccl" if device.type == "cuda" else "gloo")
             self.channel = BroadcastChannel()
-            self.channel.send(max_model_len)
-            self._finalizer = weakref.finalize(self, _stop_channel, self.channel)
+            self.channel.send((dataclasses.asdict(config), max_model_len))
+            self._finalizer = weakref.finalize(self, _stop, self.workers, self._runners, self.channel)
         elif tp > 1:
             one_gpu_a_rank = device.type == "cuda" and torch.cuda.device_count() >= tp
             backend = "nccl" if one_gpu_a_rank else "gloo"  # (gloo: CPU tensors, or ranks sharing a GPU)
+            self.graphs_capturable = backend == "nccl"
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             ctx = multiprocessing.get_context("spawn")
             args = dataclasses.asdict(config)
@@ -131,7 +142,7 @@ class Executor:
                 process.start()
                 child.close()
                 self.workers.append(_Worker(rank, process, conn))
-            self._finalizer = weakref.finalize(self, _stop, self.workers, True)
+            self._finalizer = weakref.finalize(self, _stop, self.workers, self._runners, None)
             try:
                 for w in self.workers:
                     self._expect(w, "joining")
@@ -140,8 +151,7 @@ class Executor:
                 raise
             init_distributed(tp, 0, backend, init_method)
         self.driver = ModelRunner(config, model_config, path, dtype, device, max_model_len, eos_ids)
-        if tp > 1:
-            self.driver.publish_step = self._publish
+        self._runners.append(self.driver)
 
     def num_kv_blocks(self, config: EngineConfig) -> int:
         """The KV blocks every rank can hold (each sizes its pool from its own device's memory)."""
@@ -158,23 +168,28 @@ class Executor:
         while not w.conn.poll(0.1):
             if not w.process.is_alive() or time.monotonic() > deadline:
                 raise self._fail(w, "while starting")
-        got, value = w.conn.recv()
+        try:
+            got, value = w.conn.recv()
+        except (EOFError, OSError):
+            raise self._fail(w, "while starting") from None
         if got != kind:
             raise self._fail(w, "while starting", value if got == "error" else f"said {got!r}, not {kind!r}")
         return value
 
-    def allocate_kv_cache(self, num_blocks: int) -> BlockManager:
-        if self.channel is not None:
-            self.channel.send(("kv", num_blocks))
-        for w in self.workers:
-            self._send(w, ("kv", num_blocks))
-        return self.driver.allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._publish(("kv", num_blocks))
+        self.driver.allocate_kv_cache(num_blocks)
 
-    def _publish(self, step: StepInputs, num_pending: int) -> None:
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int) -> float:
+        """Every rank captures the same graphs, in the same order (their all-reduces meet)."""
+        self._publish(("graphs", max_num_seqs, max_model_len, mixed_graph_tokens))
+        return self.driver.capture_graphs(max_num_seqs, max_model_len, mixed_graph_tokens)
+
+    def _publish(self, msg) -> None:
         if self.channel is not None:
-            self.channel.send(("step", step, num_pending))
+            self.channel.send(msg)
         for w in self.workers:
-            self._send(w, ("step", step, num_pending))
+            self._send(w, msg)
 
     def _send(self, w: _Worker, msg) -> None:
         try:
@@ -188,12 +203,17 @@ class Executor:
         )
         return self.error
 
-    def run(self, batch, pending: torch.Tensor | None = None):
-        """Rank 0's ModelRunner.run, the other ranks following it; a rank's failure raises WorkerError."""
+    def run(
+        self, step: StepInputs, sampling: SamplingBatch | None, pending: torch.Tensor | None = None
+    ) -> SamplerOutput | None:
+        """One step on every rank: the step goes to ranks 1..N-1, then rank 0 runs it and samples
+        (ModelRunner.run). A rank's failure raises WorkerError."""
         if self.error is not None:
             raise self.error
         try:
-            return self.driver.run(batch, pending)
+            if self.tp_size > 1:
+                self._publish(("step", step, 0 if pending is None else len(pending)))
+            return self.driver.run(step, sampling, pending)
         except WorkerError:
             raise
         except Exception as e:

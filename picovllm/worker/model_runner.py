@@ -1,26 +1,24 @@
-"""Runs a scheduled batch: its inputs (engine/inputs.py), the model (from a CUDA graph when one
-serves the step), the sampler. The sampled tokens come back to the host in one transfer per step.
+"""One rank's model runner: its shard of the model, its KV pool, its CUDA graphs, and (on rank 0)
+the sampler. A step arrives as plain data (StepInputs, and on rank 0 a SamplingBatch: no Request
+objects), becomes device tensors (worker/inputs.py), runs through the model (from a CUDA graph
+when one serves the step), and rank 0 samples the rows that sample. Seeded requests draw from
+generators kept here, by request id, until the engine says they finished.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import tp_broadcast
 from picovllm.distributed.parallel_state import get_tp_size
-from picovllm.engine.block_manager import BlockManager
-from picovllm.engine.cuda_graph import DecodeGraphs, MixedGraphs
-from picovllm.engine.inputs import ModelInputs, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
-from picovllm.engine.request import Request
-from picovllm.engine.sampler import Sampler, SamplerOutput, SamplingTensors
-from picovllm.engine.scheduler import ScheduledBatch
 from picovllm.kernels.prefill_attention import num_work_items
 from picovllm.model.loader.model_loader import load_model
+from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
+from picovllm.worker.inputs import ModelInputs, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
+from picovllm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingTensors
 
 logger = logging.getLogger("picovllm")
 
@@ -46,17 +44,18 @@ class ModelRunner:
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
         self.sampler = Sampler()
         self.upload = Uploader(device)
-        self._sampling_cache: tuple[list[Request], SamplingTensors] | None = None
+        self._sampling_cache: tuple[list[str], SamplingTensors] | None = None
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
+        self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.tp_size = get_tp_size()
-        self.publish_step: Callable[[StepInputs, int], None] | None = None
 
     def kv_block_bytes(self) -> int:
-        attn = self.model.attention_layers()[0]
-        return BlockManager.bytes_per_block(
-            self.block_size, len(self.model.attention_layers()), attn.num_kv_heads, attn.head_dim, self.dtype
-        )
+        """Bytes of one block of this rank's KV pool (its own KV heads), K and V of every layer."""
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
 
     def num_kv_blocks(self, engine_cfg: EngineConfig) -> int:
         """Blocks that fit the memory budget left after loading the model."""
@@ -80,20 +79,17 @@ class ModelRunner:
             )
         return blocks
 
-    def allocate_kv_cache(self, num_blocks: int) -> BlockManager:
-        """The KV pool of num_blocks blocks, bound to the model's attention layers."""
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """This rank's KV pool, bound to the model's attention layers: one tensor
+        [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], so that a layer's K (or V)
+        cache is a contiguous [num_blocks, block_size, heads, head_dim] view. Zeros, not empty:
+        padded reads of never-written slots must be finite for masked attention."""
         layers = self.model.attention_layers()
-        block_manager = BlockManager(
-            num_blocks,
-            self.block_size,
-            len(layers),
-            layers[0].num_kv_heads,
-            layers[0].head_dim,
-            self.dtype,
-            self.device,
-        )
-        for attn, (k, v) in zip(layers, block_manager.layer_caches(), strict=True):
-            attn.k_cache, attn.v_cache = k, v
+        attn = layers[0]
+        shape = (len(layers), 2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for layer, cache in zip(layers, self.kv_cache, strict=True):
+            layer.k_cache, layer.v_cache = cache[0], cache[1]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",
             num_blocks,
@@ -101,7 +97,6 @@ class ModelRunner:
             num_blocks * self.kv_block_bytes() / (1 << 30),
             self.device,
         )
-        return block_manager
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int = 0) -> float:
         """Capture CUDA graphs (after the KV cache is bound: graphs keep its addresses): decode,
@@ -115,24 +110,9 @@ class ModelRunner:
             seconds += self.mixed_graphs.capture()
         return seconds
 
-    @staticmethod
-    def step_inputs(batch: ScheduledBatch, num_pending: int = 0) -> StepInputs:
-        """A scheduled batch as plain data (what every rank's forward needs). The first num_pending
-        requests decode a token sampled by the step before and not yet read by the host (a step
-        launched ahead): their input token is a placeholder, filled on the device (prepare)."""
-        token_ids, context, sample = [], [], []
-        for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
-            end = r.num_computed_tokens + n
-            token_ids.append([0] if i < num_pending else r.token_ids[end - n : end])
-            context.append(end)
-            sample.append(i < num_pending or end == len(r.token_ids))
-        return StepInputs(
-            token_ids,
-            np.array(context, dtype=np.int64),
-            np.array(batch.num_new_tokens, dtype=np.int64),
-            [r.block_table for r in batch.requests],
-            np.array(sample),
-        )
+    def free_graphs(self) -> None:
+        """Drop the CUDA graphs (before the process group they captured collectives of is destroyed)."""
+        self.graphs = self.mixed_graphs = None
 
     def prepare(
         self, step: StepInputs, pending: torch.Tensor | None = None, num_pending: int = 0
@@ -160,12 +140,6 @@ class ModelRunner:
         return build_eager(step, self.block_size, self.upload), None
 
     @torch.inference_mode()
-    def logits(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
-        """The raw logits of the positions that are sampled, one row per sampling request."""
-        num_pending = 0 if pending is None else len(pending)
-        return self.step_logits(self.step_inputs(batch, num_pending), pending, num_pending)
-
-    @torch.inference_mode()
     def step_logits(
         self, step: StepInputs, pending: torch.Tensor | None = None, num_pending: int = 0
     ) -> torch.Tensor | None:
@@ -182,32 +156,46 @@ class ModelRunner:
             hidden = hidden[: step.num_seqs]
         return self.model.compute_logits(hidden)
 
-    def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+    def _sampling_tensors(self, batch: SamplingBatch) -> SamplingTensors:
         """The batch's sampling tensors, reused from the previous step when the same requests
         sample again and nothing in them changes per step (no penalties, no min_tokens ban)."""
-        cached = self._sampling_cache  # (the very Request objects, in order; their tensors)
-        if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
+        self.free_requests(batch.finished_ids)
+        cached = self._sampling_cache  # (the request ids, in order; their tensors)
+        if cached is not None and (cached[0] is batch.request_ids or cached[0] == batch.request_ids):
             return cached[1]
-        tensors = SamplingTensors.from_requests(reqs, self.model_cfg.vocab_size, self.eos_ids, self.device)
+        generators = [
+            None if seed is None else self._generator(rid, seed) for rid, seed in zip(batch.request_ids, batch.seeds)
+        ]
+        tensors = SamplingTensors.from_batch(batch, generators, self.model_cfg.vocab_size, self.eos_ids, self.device)
         static = tensors.banned is None and tensors.prompt_ids is None
-        self._sampling_cache = (list(reqs), tensors) if static else None
+        self._sampling_cache = (batch.request_ids, tensors) if static else None
         return tensors
+
+    def free_requests(self, request_ids: list[str]) -> None:
+        """Forget finished requests: their generators, and the cached tensors (an id may come
+        back, as another request)."""
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+        if request_ids:
+            self._sampling_cache = None
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return gen
 
     @torch.inference_mode()
     def run(
-        self, batch: ScheduledBatch, pending: torch.Tensor | None = None
-    ) -> tuple[list[Request], SamplerOutput | None]:
-        """One forward; the requests that sample and their samples (None when none samples).
+        self, step: StepInputs, sampling: SamplingBatch | None, pending: torch.Tensor | None = None
+    ) -> SamplerOutput | None:
+        """One forward and, when rows sample (sampling: one row per step.sample), their samples.
         pending: see prepare()."""
         num_pending = 0 if pending is None else len(pending)
-        step = self.step_inputs(batch, num_pending)
-        # the requests whose last token this step computes (step.sample): each samples one token
-        reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
-        if self.publish_step is not None:  # the other ranks' copy of the step (engine/executor.py)
-            self.publish_step(step, num_pending)
         logits = self.step_logits(step, pending, num_pending)
         # The sampling parameters are built while the forward runs (a new request's: about 0.2 ms
         # of host time that a lone request's first token would otherwise wait for); they reach
         # the device through pinned memory, which never waits for the queued forward.
-        tensors = self._sampling_tensors(reqs) if reqs else None
-        return reqs, (self.sampler(logits, tensors) if reqs else None)
+        if sampling is None or not sampling.num_rows:
+            return None
+        return self.sampler(logits, self._sampling_tensors(sampling))
