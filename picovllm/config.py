@@ -166,6 +166,14 @@ class EngineConfig:
     # Ranks the model is split over (Megatron: attention heads and MLP columns; one all-reduce
     # after each), each a process on its own GPU (or CPU); rank 0 is the engine's process.
     tensor_parallel_size: int = 1
+    # Disaggregated prefill (engine/kv_handoff.py): "prefill" computes prompts and holds their KV
+    # blocks for a decode instance to pull; "decode" pulls a prompt's KV before decoding it; "both"
+    # does everything itself. kv_transfer_mode: "async" overlaps transfers with other work, "sync"
+    # finishes each before the next request starts. A prefill instance frees blocks nobody pulled
+    # after kv_lease_s seconds.
+    kv_role: str = "both"
+    kv_transfer_mode: str = "async"
+    kv_lease_s: float = 30.0
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -193,6 +201,14 @@ class EngineConfig:
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size",
             "must be an integer >= 1",
+        )
+        need(self.kv_role in ("prefill", "decode", "both"), "kv_role", "must be 'prefill', 'decode' or 'both'")
+        need(self.kv_transfer_mode in ("async", "sync"), "kv_transfer_mode", "must be 'async' or 'sync'")
+        need(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
+        need(
+            self.kv_role == "both" or self.tensor_parallel_size == 1,
+            "kv_role",
+            "with tensor_parallel_size > 1 is not supported yet (prefill and decode instances run one rank)",
         )
 
 

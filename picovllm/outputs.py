@@ -39,3 +39,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # a prefill instance's: where a decode instance pulls the KV

@@ -248,6 +248,6 @@ def test_debug_flag_checks_invariants_every_step(tiny_qwen, monkeypatch):
     engine = llm.llm_engine
     assert engine.debug_invariants
     calls = []
-    monkeypatch.setattr(engine.scheduler.cache, "check_invariants", lambda live: calls.append(len(live)))
+    monkeypatch.setattr(engine.scheduler.cache, "check_invariants", lambda live, held: calls.append(len(live)))
     llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(calls) == 3

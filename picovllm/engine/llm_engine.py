@@ -23,6 +23,7 @@ from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
+from picovllm.engine.kv_handoff import KVHandoff, check_kv_transfer_params
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
 from picovllm.executor.executor import Executor
@@ -103,6 +104,7 @@ class _Group:
     children: list[Request]
     arrival_time: float  # time.time(), as vLLM's RequestMetrics
     first_token_time: float | None = None
+    kv_transfer_params: dict | None = None  # a prefill instance's answer: where the KV is held
 
 
 class LLMEngine:
@@ -138,6 +140,9 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.groups: dict[str, _Group] = {}
+        self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
+        if config.kv_role != "both":
+            self.kv_handoff = KVHandoff(config, self.executor.kv_transfer, self.scheduler)
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
         self.async_scheduling = config.async_scheduling
@@ -185,14 +190,38 @@ class LLMEngine:
         self.add_validated_request(request_id, text, ids, params)
         return request_id
 
-    def add_validated_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+    def add_validated_request(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
         """Queue a request whose prompt went through process_prompt (LLM.generate validates a
-        whole batch first, then queues it, so that bad input queues nothing)."""
+        whole batch first, then queues it, so that bad input queues nothing). kv_transfer_params:
+        disaggregated prefill (engine/kv_handoff.py); ValueError if this instance's role does not
+        take them."""
+        if kv_transfer_params is not None:
+            check_kv_transfer_params(kv_transfer_params, self.config.kv_role, self.config.block_size, ids, params.n)
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else (params.seed + i * 1_000_003) % _MAX_SEED
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(child_id, request_id, i, text, ids, params, next(self._arrivals), seed, self.max_model_len)
+            req = Request(
+                child_id,
+                request_id,
+                i,
+                text,
+                ids,
+                params,
+                next(self._arrivals),
+                seed,
+                self.max_model_len,
+                kv_transfer_params if i == 0 else None,
+            )
+            if kv_transfer_params is not None and i > 0:
+                req.after = children[0]  # (it pulls; the others take its blocks from the prefix cache)
             if self.detokenizer is not None:
                 self.detokenizer.start(req)
             children.append(req)
@@ -206,7 +235,8 @@ class LLMEngine:
         for rid in ids:
             group = self.groups.pop(rid, None)
             for req in group.children if group else []:
-                self.scheduler.finish(req, "abort")
+                if self.kv_handoff is None or not self.kv_handoff.abort(req):  # (else: when its pull ends)
+                    self.scheduler.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -228,9 +258,12 @@ class LLMEngine:
         device (on a GPU the forward is launched asynchronously and waited for at the one
         device-to-host copy of the sampled tokens)."""
         start = time.perf_counter()
+        if self.kv_handoff is not None:
+            self.kv_handoff.end_leases()
+            self.kv_handoff.poll()
         step = self._inflight
         if step is None:
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch is None:
                 return []
             step = self._launch(batch)
@@ -250,6 +283,23 @@ class LLMEngine:
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)
         self.num_steps += 1
         return outputs
+
+    def _schedule(self, decodes: list[Request] | None = None) -> ScheduledBatch | None:
+        """The scheduler's next batch (schedule_ahead with `decodes`); the pulls of the requests it
+        admitted to wait for their KV start here."""
+        handoff, sched = self.kv_handoff, self.scheduler
+        if handoff is not None:
+            sched.paused = handoff.admission_paused
+        batch = sched.schedule() if decodes is None else sched.schedule_ahead(decodes)
+        if handoff is not None:
+            for req in sched.take_new_pulls():
+                handoff.start(req)
+        return batch
+
+    @property
+    def kv_busy(self) -> bool:
+        """Transfers to watch while no request runs (a prefill instance's leases): poll with step()."""
+        return self.kv_handoff is not None and self.kv_handoff.busy
 
     def _launch(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> _Step:
         num_pending = 0 if pending is None else len(pending)
@@ -302,7 +352,7 @@ class LLMEngine:
         rows = [i for i, r in enumerate(reqs) if not self._at_length_limit(r, pending=1)]
         if not rows:
             return None
-        batch = sched.schedule_ahead([reqs[i] for i in rows])
+        batch = self._schedule([reqs[i] for i in rows])
         if batch is None:
             return None
         self.num_launched_ahead += 1
@@ -335,6 +385,8 @@ class LLMEngine:
             reason, stop_reason = self._check_finished(req, token)
             if reason is not None:
                 req.stop_reason = stop_reason
+                if req.kv_transfer_params is not None and req.kv_transfer_params.get("do_remote_decode"):
+                    self.groups[req.parent_id].kv_transfer_params = self.kv_handoff.hold(req)
                 self.scheduler.finish(req, reason)
             if req.num_output_tokens == 1 and (group := self.groups.get(req.parent_id)) is not None:
                 group.first_token_time = group.first_token_time or now
@@ -408,7 +460,16 @@ class LLMEngine:
             metrics["first_token_time"] = group.first_token_time
         if finished:
             metrics["finished_time"] = time.time()
-        return RequestOutput(request_id, group.prompt, group.prompt_token_ids, outputs, finished, num_cached, metrics)
+        return RequestOutput(
+            request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            outputs,
+            finished,
+            num_cached,
+            metrics,
+            group.kv_transfer_params if finished else None,
+        )
 
     @staticmethod
     def _take_delta(r: Request) -> tuple[list[int], str, list | None]:
@@ -427,7 +488,7 @@ class LLMEngine:
         """Block references, tree locks, block conservation; a request in a step launched ahead
         has computed all its tokens (the one being sampled is not appended yet)."""
         ahead = self._inflight.batch.requests if self._inflight is not None else []
-        self.scheduler.check_invariants(ahead)
+        self.scheduler.check_invariants(ahead, self.kv_handoff.held_blocks() if self.kv_handoff else ())
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block no running request uses; True if the cache is now empty."""
@@ -437,6 +498,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is collected, and at exit)."""
         self.executor.shutdown()
+        if self.kv_handoff is not None:
+            self.kv_handoff.transfer.close()
 
     def get_metrics(self) -> dict[str, int]:
         bm, cache = self.block_manager, self.scheduler.cache
@@ -448,6 +511,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": cache.hit_tokens,
             "prefix_cache_evicted_blocks": cache.evicted_blocks,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.transferring),
             "num_preemptions": self.scheduler.num_preemptions,
+            **(self.kv_handoff.get_metrics() if self.kv_handoff is not None else {}),
         }

@@ -102,13 +102,14 @@ class PrefixCache:
         self.queried_tokens += num_prompt_tokens
         self.hit_tokens += num_cached
 
-    def check_invariants(self, live: list[Request]) -> None:
-        """Every block's ref = live requests holding it + 1 if the tree holds it; every node's
-        lock_ref = live requests locked at or below it; free + used = total."""
+    def check_invariants(self, live: list[Request], held: list[list[int]] = ()) -> None:
+        """Every block's ref = live requests holding it + other holders (`held`: one reference a
+        list) + 1 if the tree holds it; every node's lock_ref = live requests locked at or below
+        it; free + used = total."""
         bm = self.block_manager
         expected = [0] * bm.num_total_blocks
-        for req in live:
-            for b in req.block_table:
+        for blocks in [r.block_table for r in live] + list(held):
+            for b in blocks:
                 expected[b] += 1
         if self.tree is not None:
             self.tree.check_invariants()

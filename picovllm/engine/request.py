@@ -11,6 +11,7 @@ from picovllm.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued, or preempted and waiting to be recomputed
     RUNNING = enum.auto()  # holds blocks; its KV covers its first num_computed_tokens tokens
+    WAITING_FOR_REMOTE_KV = enum.auto()  # holds blocks for its prompt, being pulled from a prefill instance
     FINISHED = enum.auto()
 
 
@@ -26,6 +27,7 @@ class Request:
         arrival: int,
         seed: int | None,
         max_model_len: int | None = None,
+        kv_transfer_params: dict | None = None,
     ):
         self.request_id = request_id
         self.parent_id = parent_id
@@ -50,6 +52,10 @@ class Request:
         self.num_prompt_cached_tokens: int | None = None  # the same at its first admission (reported)
         self.lock_node = None  # the radix-tree node this request holds locked (prefix_cache.py)
         self.num_preemptions = 0
+        # disaggregated prefill (engine/kv_handoff.py): on a prefill instance {"do_remote_decode":
+        # True}; on a decode instance where to pull the prompt's KV from (cleared once pulled)
+        self.kv_transfer_params = kv_transfer_params
+        self.after: Request | None = None  # admitted once this sibling is past its pull (n > 1)
         # detokenizer state (see detokenizer.py)
         self.output_text = ""
         self.prefix_offset = 0

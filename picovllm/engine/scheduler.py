@@ -63,6 +63,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self.finished_ids: list[str] = []
+        self.transferring: list[Request] = []  # WAITING_FOR_REMOTE_KV (a decode instance's)
+        self.new_pulls: list[Request] = []  # admitted this step, their pulls to start (engine)
+        self.paused = False  # admit nothing (a sync-mode prefill instance holding a transfer)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -131,9 +134,20 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         cache = self.cache
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not self.paused
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self.transferring) < self.max_num_seqs
+        ):
             req = self.waiting[0]
+            if req.after is not None and req.after.status in _NOT_YET_PULLED:
+                break  # (a sibling whose prompt KV is being pulled: its blocks come next)
             cache.acquire(req)
+            if _pulls(req):
+                if not self._admit_pull(req):
+                    break
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, budget) if self.enable_chunked_prefill else remaining
             needed = self.block_manager.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
@@ -154,6 +168,46 @@ class Scheduler:
             batch.add(req, n)
             budget -= n
 
+    def _admit_pull(self, req: Request) -> bool:
+        """Admit a request whose prompt's KV a prefill instance holds: blocks for the whole prompt
+        (its cached prefix found already), then it waits for the pull (the engine starts it) and
+        takes no step budget. False when the blocks are short."""
+        cache = self.cache
+        needed = self.block_manager.blocks_needed(req.num_prompt_tokens) - len(req.block_table)
+        if needed + len(self.running) > cache.num_available_blocks:
+            cache.release(req)
+            return False
+        self.waiting.popleft()
+        cache.allocate(req, needed)
+        if req.num_prompt_cached_tokens is None:
+            req.num_prompt_cached_tokens = req.num_cached_tokens
+            cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.transferring.append(req)
+        self.new_pulls.append(req)
+        return True
+
+    def take_new_pulls(self) -> list[Request]:
+        pulls, self.new_pulls = self.new_pulls, []
+        return pulls
+
+    def pulled(self, req: Request) -> None:
+        """req's prompt KV has landed (all but its last token, which it computes and samples from)."""
+        self.transferring.remove(req)
+        req.kv_transfer_params = None
+        req.num_computed_tokens = req.num_prompt_tokens - 1
+        self.cache.insert(req, req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def requeue(self, req: Request) -> None:
+        """req's pull failed: it gives its blocks back and waits to be prefilled here."""
+        self.transferring.remove(req)
+        self.cache.release(req)
+        req.kv_transfer_params = None
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
     def _preempt(self, req: Request) -> None:
         self.cache.insert(req, req.num_computed_tokens)  # keep its computed blocks: recompute mostly hits
         self.cache.release(req)
@@ -170,6 +224,8 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self.cache.insert(req, req.num_computed_tokens)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:  # (its pull has ended: the engine waits for that)
+            self.transferring.remove(req)
         else:
             self.waiting.remove(req)
         self.cache.release(req)
@@ -182,9 +238,10 @@ class Scheduler:
         ids, self.finished_ids = self.finished_ids, []
         return ids
 
-    def check_invariants(self, ahead: list[Request] = ()) -> None:
+    def check_invariants(self, ahead: list[Request] = (), held: list[list[int]] = ()) -> None:
         """`ahead`: requests in a step launched before the last one's tokens were read; they have
-        computed every token they hold (the next one is on the device)."""
+        computed every token they hold (the next one is on the device). `held`: blocks a
+        prefill instance holds for decode instances to pull (one reference each)."""
         ahead_ids = set(map(id, ahead))
         assert all(
             not r.block_table and r.lock_node is None and r.status == RequestStatus.WAITING for r in self.waiting
@@ -195,4 +252,17 @@ class Scheduler:
             and 0 < r.num_computed_tokens <= r.num_tokens - (id(r) not in ahead_ids)
             for r in self.running
         )
-        self.cache.check_invariants(self.running)
+        assert all(
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+            and len(r.block_table) == self.block_manager.blocks_needed(r.num_prompt_tokens)
+            for r in self.transferring
+        )
+        self.cache.check_invariants(self.running + self.transferring, held)
+
+
+_NOT_YET_PULLED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV)
+
+
+def _pulls(req: Request) -> bool:
+    """Whether req's prompt KV is to be pulled from a prefill instance (a decode instance's request)."""
+    return req.kv_transfer_params is not None and "remote_block_ids" in req.kv_transfer_params

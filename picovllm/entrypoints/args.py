@@ -32,6 +32,7 @@ non_negative_int = _number(int, 0, what="must be >= 0")
 port = _number(int, 1, 65535, what="a port is 1-65535")
 fraction = _number(float, 0.0, 1.0, low_open=True, what="must be in (0, 1]")
 non_negative_float = _number(float, 0.0, what="must be >= 0")
+positive_float = _number(float, 0.0, low_open=True, what="must be > 0")
 
 # (flag, SamplingParams field, type, help)
 SAMPLING_FLAGS = [
@@ -160,6 +161,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
+    for name in ("kv_role", "kv_transfer_mode", "kv_lease_s"):  # (serve's)
+        if hasattr(args, name):
+            kwargs[name] = getattr(args, name)
     return kwargs
 
 

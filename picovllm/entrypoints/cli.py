@@ -11,6 +11,7 @@ from picovllm.entrypoints.args import (
     engine_kwargs,
     engine_parser,
     port,
+    positive_float,
     sampling_params,
     sampling_parser,
     sampling_values,
@@ -208,6 +209,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from picovllm.entrypoints.router import build_router_app
+
+    app = build_router_app(args.prefill, args.decode)
+    _say(
+        f"routing on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}"
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS, is_installed
 
@@ -277,7 +291,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the engine on a thread of the server's process, not in a process of its own",
     )
+    serve.add_argument(
+        "--role",
+        dest="kv_role",
+        default="both",
+        choices=["prefill", "decode", "both"],
+        help="disaggregated serving (behind `picovllm router`): prefill computes prompts and holds their KV "
+        "for a decode instance to pull; decode pulls it and generates; both (default) does everything",
+    )
+    serve.add_argument(
+        "--kv-transfer-mode",
+        default="async",
+        choices=["async", "sync"],
+        help="async (default): transfers overlap other work; sync: each completes before the next request",
+    )
+    serve.add_argument(
+        "--kv-lease-s",
+        type=positive_float,
+        default=30.0,
+        help="a prefill instance frees KV blocks that no decode instance pulled after this many seconds (30)",
+    )
     serve.set_defaults(func=_cmd_serve, parser=serve)
+
+    router = sub.add_parser(
+        "router",
+        help="front door of disaggregated serving: prefill on one instance, decode on another",
+        description="An OpenAI-compatible server that sends each request's prompt to a prefill instance "
+        "(serve --role prefill), then the request to a decode instance (serve --role decode), and streams "
+        "the decode instance's answer back.",
+    )
+    router.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill instance")
+    router.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode instance")
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    router.add_argument("--port", type=port, default=8000, help="port (default 8000)")
+    router.set_defaults(func=_cmd_router, parser=router)
 
     models = sub.add_parser("models", help="list built-in models")
     models.set_defaults(func=_cmd_models, parser=models)

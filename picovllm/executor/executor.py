@@ -180,6 +180,11 @@ class Executor:
         self._publish(("kv", num_blocks))
         self.driver.allocate_kv_cache(num_blocks)
 
+    @property
+    def kv_transfer(self):
+        """Rank 0's KV transfer (a prefill or decode instance runs one rank)."""
+        return self.driver.kv_transfer
+
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int) -> float:
         """Every rank captures the same graphs, in the same order (their all-reduces meet)."""
         self._publish(("graphs", max_num_seqs, max_model_len, mixed_graph_tokens))

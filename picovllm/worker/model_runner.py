@@ -13,6 +13,7 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import tp_broadcast
+from picovllm.distributed.kv_transfer import KVTransfer, NixlKVTransfer
 from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.kernels.prefill_attention import num_work_items
 from picovllm.model.loader.model_loader import load_model
@@ -47,6 +48,8 @@ class ModelRunner:
         self._sampling_cache: tuple[list[str], SamplingTensors] | None = None
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
+        self.kv_role = engine_cfg.kv_role
+        self.kv_transfer: KVTransfer | None = None  # a prefill or decode instance's, over its pool
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self.tp_size = get_tp_size()
@@ -90,6 +93,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.k_cache, layer.v_cache = cache[0], cache[1]
+        if self.kv_role != "both":
+            self.kv_transfer = NixlKVTransfer()
+            self.kv_transfer.register(self.kv_cache)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",
             num_blocks,

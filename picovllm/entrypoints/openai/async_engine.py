@@ -23,11 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
+from picovllm.engine.kv_handoff import check_kv_transfer_params
 from picovllm.engine.llm_engine import LLMEngine
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
-# Commands to the engine: ("add", request_id, text, token_ids, params), ("abort", request_id), STOP.
+# Commands to the engine: ("add", request_id, text, token_ids, params, kv_transfer_params),
+# ("abort", request_id), STOP.
 STOP = ("stop",)
 
 
@@ -62,29 +64,39 @@ def frozen_heap():
         gc.unfreeze()
 
 
+KV_POLL_S = 0.01  # how often an idle engine holding KV transfers (leases) looks at them
+
+
 def engine_loop(
-    engine: LLMEngine, next_command: Callable[[bool], tuple | None], publish: Callable[[list[RequestOutput]], None]
+    engine: LLMEngine,
+    next_command: Callable[[float | None], tuple | None],
+    publish: Callable[[list[RequestOutput]], None],
 ) -> None:
     """Apply commands and step while anything is unfinished, publishing each step's outputs
     (and, when idle, an empty list: the metrics after aborts that left nothing to step).
-    next_command(block) returns the next command, or None when there is none and block is
-    False; it blocks only while the engine is idle. Returns at STOP. Requests come in as DELTA
-    outputs."""
+    next_command(timeout) returns the next command, or None when none came within timeout
+    seconds (None: wait for one); it waits only while the engine is idle, and then no longer
+    than KV_POLL_S while KV transfers need watching (a prefill instance's leases). Returns at
+    STOP. Requests come in as DELTA outputs."""
     while True:
         idle = not engine.has_unfinished_requests()
         if idle:
             publish([])
-        while (cmd := next_command(idle)) is not None:
+        wait = (KV_POLL_S if engine.kv_busy else None) if idle else 0
+        while (cmd := next_command(wait)) is not None:
             if cmd == STOP:
                 return
             if cmd[0] == "add":
-                _, rid, text, ids, params = cmd
-                engine.add_validated_request(rid, text, ids, replace(params, output_kind=RequestOutputKind.DELTA))
+                _, rid, text, ids, params, kv = cmd
+                params = replace(params, output_kind=RequestOutputKind.DELTA)
+                engine.add_validated_request(rid, text, ids, params, kv)
             else:
                 engine.abort_request(cmd[1])
-            idle = False
+            wait = 0
         if engine.has_unfinished_requests():
             publish(engine.step())
+        elif engine.kv_busy:
+            engine.step()  # (releases and expired leases)
 
 
 class _Background:
@@ -95,6 +107,8 @@ class _Background:
     tokenizer = None
     vocab_size: int
     max_model_len: int
+    kv_role: str
+    block_size: int
 
     def __init__(self, on_step=None):
         self.on_step = on_step  # called after each step with (self, outputs): metrics
@@ -107,14 +121,25 @@ class _Background:
     def get_metrics(self) -> dict[str, int]:
         raise NotImplementedError
 
-    async def validate(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check a prompt off the event loop. Raises ValueError for bad input."""
-        return await asyncio.to_thread(
+    async def validate(
+        self, prompt: PromptType, params: SamplingParams, kv_transfer_params: dict | None = None
+    ) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt (and its kv_transfer_params) off the event loop. Raises
+        ValueError for bad input."""
+        text, ids = await asyncio.to_thread(
             process_prompt, prompt, params, self.tokenizer, self.vocab_size, self.max_model_len
         )
+        if kv_transfer_params is not None:
+            check_kv_transfer_params(kv_transfer_params, self.kv_role, self.block_size, ids, params.n)
+        return text, ids
 
     async def generate(
-        self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the outputs of a validated prompt (see validate) as they change; aborts the
         request if the consumer stops early."""
@@ -122,7 +147,7 @@ class _Background:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._send(("add", request_id, text, ids, params))
+        self._send(("add", request_id, text, ids, params, kv_transfer_params))
         finished = False
         try:
             while True:
@@ -167,6 +192,7 @@ class AsyncEngine(_Background):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.vocab_size, self.max_model_len = engine.model_config.vocab_size, engine.max_model_len
+        self.kv_role, self.block_size = engine.config.kv_role, engine.config.block_size
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
         self._thread.start()
@@ -181,9 +207,9 @@ class AsyncEngine(_Background):
         self._commands.put(STOP)
         self._thread.join(timeout=10)
 
-    def _next_command(self, block: bool) -> tuple | None:
+    def _next_command(self, timeout: float | None) -> tuple | None:
         try:
-            return self._commands.get(block=block)
+            return self._commands.get(block=timeout != 0, timeout=timeout or None)
         except queue.Empty:
             return None
 
@@ -203,7 +229,7 @@ def _message(out: RequestOutput) -> tuple:
     comps = [
         (c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason) for c in out.outputs
     ]  # (CompletionOutput's fields after index, in order)
-    return out.request_id, comps, out.finished, out.num_cached_tokens
+    return out.request_id, comps, out.finished, out.num_cached_tokens, out.kv_transfer_params
 
 
 def _engine_main(engine_args: dict, commands, outputs) -> None:
@@ -223,12 +249,14 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
                 "vocab_size": engine.model_config.vocab_size,
                 "max_model_len": engine.max_model_len,
                 "tokenizer": engine.tokenizer_source,
+                "kv_role": engine.config.kv_role,
+                "block_size": engine.config.block_size,
             },
         )
     )
 
-    def next_command(block: bool) -> tuple | None:
-        return commands.recv() if commands.poll(None if block else 0) else None
+    def next_command(timeout: float | None) -> tuple | None:
+        return commands.recv() if commands.poll(timeout) else None
 
     def publish(outs: list[RequestOutput]) -> None:
         outputs.send(("step", [_message(o) for o in outs], engine.get_metrics()))
@@ -268,6 +296,7 @@ class EngineProcess(_Background):
             self._process.join()
             raise info
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
+        self.kv_role, self.block_size = info["kv_role"], info["block_size"]
         self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
         self._metrics: dict[str, int] = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes
@@ -339,12 +368,14 @@ class EngineProcess(_Background):
             self._detach()
             self._fail(e)
 
-    def _output(self, request_id: str, comps: list[tuple], finished: bool, num_cached: int) -> RequestOutput | None:
+    def _output(
+        self, request_id: str, comps: list[tuple], finished: bool, num_cached: int, kv_transfer_params: dict | None
+    ) -> RequestOutput | None:
         prompt = self._prompts.pop(request_id, None) if finished else self._prompts.get(request_id)
         if prompt is None:  # aborted meanwhile
             return None
         outputs = [CompletionOutput(index, *c) for index, c in enumerate(comps)]
-        return RequestOutput(request_id, *prompt, outputs, finished, num_cached)
+        return RequestOutput(request_id, *prompt, outputs, finished, num_cached, kv_transfer_params=kv_transfer_params)
 
 
 def start_background_engine(engine_args: dict, in_process: bool = False) -> AsyncEngine | EngineProcess:

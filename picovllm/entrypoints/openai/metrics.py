@@ -6,6 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from picovllm.engine.kv_handoff import GAUGES, METRICS
 from picovllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -53,6 +54,9 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_transfer = {  # (a prefill or decode instance's; engine/kv_handoff.py)
+            name: Gauge(f"picovllm:{name}", help_, registry=r) for name, help_ in {**METRICS, **GAUGES}.items()
+        }
         self.e2e = Histogram(
             "picovllm:e2e_request_latency_seconds",
             "Request latency, arrival to last token.",
@@ -67,6 +71,9 @@ class ServerMetrics:
         self.waiting.set(m["num_waiting"])
         self.kv_usage.set(1 - m["kv_blocks_free"] / m["kv_blocks_total"])
         self.hit_rate.set(m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1))
+        for name, gauge in self.kv_transfer.items():
+            if name in m:
+                gauge.set(m[name])
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

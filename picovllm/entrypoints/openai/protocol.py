@@ -38,6 +38,9 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # disaggregated prefill (vLLM's field): {"do_remote_decode": true} to a prefill instance; its
+    # answer's kv_transfer_params to a decode instance (engine/kv_handoff.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for invalid values."""

@@ -59,13 +59,16 @@ class ServerState:
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from None
 
-    async def start(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def start(
+        self, prompt, params: SamplingParams, request_id: str, kv_transfer_params: dict | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Validate a prompt (400 on bad input) and start generating: the request's outputs."""
         try:
-            text, ids = await self.engine.validate(prompt, params)
+            text, ids = await self.engine.validate(prompt, params, kv_transfer_params)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return self.engine.generate(request_id, text, ids, params)
+            param = "kv_transfer_params" if str(e).startswith("kv_transfer_params") else None
+            raise APIError(400, str(e), param=param) from None
+        return self.engine.generate(request_id, text, ids, params, kv_transfer_params)
 
 
 def server_state(request: Request) -> ServerState:
@@ -120,6 +123,7 @@ async def collect(stream: AsyncIterator[RequestOutput], tracker: RequestTracker)
         [outputs[i] for i in sorted(outputs)],
         out.finished,
         out.num_cached_tokens,
+        kv_transfer_params=out.kv_transfer_params,
     )
 
 
@@ -135,11 +139,17 @@ def new_completions(out: RequestOutput, done: set[int]):
 
 
 def sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
-    """Server-Sent Events of the chunks: dicts, or events already serialised (EventTemplates)."""
+    """Server-Sent Events of the chunks: dicts, or events already serialised (EventTemplates). A
+    stream whose engine dies ends with an error event (OpenAI's error JSON, code 500)."""
 
     async def body():
-        async for chunk in chunks:
-            yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
+        except EngineDeadError as e:
+            error = {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            return
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")

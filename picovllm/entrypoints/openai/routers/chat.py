@@ -46,7 +46,7 @@ async def chat(req: ChatCompletionRequest, state: State):
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = state.sampling_params(req, max_tokens, logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await state.start(prompt, params, rid)
+    stream = await state.start(prompt, params, rid, req.kv_transfer_params)
     created = int(time.time())
     if req.stream:
         return sse(_stream(stream, req, params.n, params.logprobs, rid, created, state))
@@ -68,6 +68,7 @@ async def chat(req: ChatCompletionRequest, state: State):
         "model": state.served_model_name,
         "choices": choices,
         "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+        **({"kv_transfer_params": out.kv_transfer_params} if out.kv_transfer_params is not None else {}),
     }
 
 

@@ -41,13 +41,16 @@ async def completions(req: CompletionRequest, state: State):
     if req.echo:
         state.need_tokenizer()
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = [await state.start(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+    if req.kv_transfer_params is not None and len(prompts) != 1:
+        raise APIError(400, "kv_transfer_params go with one prompt", param="kv_transfer_params")
+    streams = [await state.start(p, params, f"{rid}-{i}", req.kv_transfer_params) for i, p in enumerate(prompts)]
     created = int(time.time())
     if req.stream:
         return sse(_stream(streams, req, params.n, rid, created, state))
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, kv_transfer_params = [], 0, 0, None
     for i, stream in enumerate(streams):
         out = await collect(stream, state.metrics.track())
+        kv_transfer_params = out.kv_transfer_params
         prompt_tokens += len(out.prompt_token_ids)
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
@@ -70,6 +73,7 @@ async def completions(req: CompletionRequest, state: State):
         "model": state.served_model_name,
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
+        **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else {}),
     }
 
 

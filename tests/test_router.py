@@ -1,0 +1,199 @@
+"""Disaggregated serving end to end: a prefill and a decode server (each engine in a process of its
+own, KV over NIXL on loopback TCP) behind `picovllm router`, driven by the openai client; their
+answers equal the colocated server's."""
+
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from picovllm.distributed.kv_transfer import nixl_api
+
+try:
+    nixl_api()
+except ModuleNotFoundError as e:
+    pytest.skip(str(e), allow_module_level=True)
+openai = pytest.importorskip("openai")
+os.environ.setdefault("UCX_TLS", "tcp")  # (inherited by the engine processes)
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+from conftest import engine_args  # noqa: E402
+
+from picovllm.entrypoints.openai.async_engine import EngineProcess  # noqa: E402
+from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
+from picovllm.entrypoints.router import build_router_app  # noqa: E402
+
+MODEL = "tiny"
+
+
+def _server(path, **kwargs):
+    engine = EngineProcess(
+        engine_args(path, max_model_len=256, block_size=4, max_num_batched_tokens=32, max_num_seqs=16, **kwargs)
+    )
+    url, stop = serve_in_thread(build_app(engine, MODEL))
+    return url, stop, engine
+
+
+@pytest.fixture(scope="module", params=["async", "sync"])
+def pd(tiny_qwen, request):
+    """(router URL, prefill URL, decode URL, colocated URL)."""
+    servers = [
+        _server(tiny_qwen[0], kv_role="prefill", kv_transfer_mode=request.param),
+        _server(tiny_qwen[0], kv_role="decode", kv_transfer_mode=request.param),
+        _server(tiny_qwen[0]),
+    ]
+    (p, *_), (d, *_), (c, *_) = servers
+    router, stop_router = serve_in_thread(build_router_app([p], [d]))
+    yield router, p, d, c
+    stop_router()
+    for _, stop, engine in servers:
+        stop()
+        engine.shutdown()
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _metrics(url) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a land far away,"]
+
+
+def test_completions_through_the_router_equal_the_colocated_server(pd):
+    router, _, decode, colocated = pd
+    ours, ref = _client(router), _client(colocated)
+    for kwargs in [
+        dict(max_tokens=10, temperature=0, extra_body={"ignore_eos": True}),
+        dict(max_tokens=8, temperature=0.9, seed=5, n=2, extra_body={"ignore_eos": True}),
+        dict(max_tokens=12, temperature=0, stop=[" the"]),
+    ]:
+        for prompt in PROMPTS:
+            got = ours.completions.create(model=MODEL, prompt=prompt, **kwargs)
+            want = ref.completions.create(model=MODEL, prompt=prompt, **kwargs)
+            assert [(c.text, c.finish_reason) for c in got.choices] == [(c.text, c.finish_reason) for c in want.choices]
+            assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in ours.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0, stream=True)
+    )
+    assert (
+        streamed == ref.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0).choices[0].text
+    )
+    m = _metrics(decode)
+    assert m["picovllm:kv_transfers_done"] >= 3 * len(PROMPTS) and m["picovllm:kv_transfers_failed"] == 0
+
+
+def test_chat_through_the_router_streamed_and_not(pd):
+    router, _, _, colocated = pd
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    want = _client(colocated).chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    got = _client(router).chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    chunks = _client(router).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
+
+
+def test_several_prompts_go_to_the_decode_instance_alone(pd):
+    router, _, _, colocated = pd
+    got = _client(router).completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0)
+    want = _client(colocated).completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0)
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+
+
+def test_errors_models_health_and_nothing_held_afterwards(pd):
+    router, prefill, decode, _ = pd
+    bad = httpx.post(router + "/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"  # the prefill instance's answer
+    own = httpx.post(router + "/v1/completions", json={"prompt": "x", "kv_transfer_params": {}})
+    assert own.status_code == 400 and own.json()["error"]["param"] == "kv_transfer_params"
+    assert httpx.get(router + "/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(router + "/health").status_code == 200
+    # every lease released by the decode instance's pulls; no request left on either side
+    deadline = time.monotonic() + 5
+    while _metrics(prefill)["picovllm:kv_blocks_held_for_pickup"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for url in (prefill, decode):
+        m = _metrics(url)
+        assert m["picovllm:kv_blocks_held_for_pickup"] == 0 and m["picovllm:num_requests_running"] == 0
+
+
+def test_an_unreachable_instance_is_a_502(tiny_qwen):
+    app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    url, stop = serve_in_thread(app)
+    try:
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 502 and "prefill instance" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 5
+        assert httpx.get(url + "/health").status_code == 503
+        assert json.loads(httpx.get(url + "/health").text)["down"] == ["http://127.0.0.1:9"] * 2
+    finally:
+        stop()
+
+
+@pytest.fixture
+def fragile(tiny_qwen):
+    """A prefill and a decode server of their own behind a router, for tests that break them."""
+    servers = [_server(tiny_qwen[0], kv_role="prefill", kv_lease_s=1.0), _server(tiny_qwen[0], kv_role="decode")]
+    (p, *_), (d, *_) = servers
+    router, stop_router = serve_in_thread(build_router_app([p], [d]))
+    yield router, servers
+    stop_router()
+    for _, stop, engine in servers:
+        stop()
+        engine.shutdown()
+
+
+def _idle(url, timeout=5.0) -> dict[str, float]:
+    """The instance's metrics once it has nothing running, waiting or held for pickup."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url)
+        busy = m["picovllm:num_requests_running"] + m["picovllm:num_requests_waiting"]
+        if not busy + m["picovllm:kv_blocks_held_for_pickup"] or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def test_a_client_that_disconnects_aborts_on_the_decode_instance(fragile):
+    router, ((prefill, *_), (decode, *_)) = fragile
+    body = {"prompt": PROMPTS[2], "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # generating
+    m = _idle(decode)
+    assert m["picovllm:num_requests_running"] == 0 and m["picovllm:num_requests_waiting"] == 0
+    assert m["picovllm:generation_tokens_total"] < 100  # aborted, far from its 220 tokens
+    assert _idle(prefill)["picovllm:kv_blocks_held_for_pickup"] == 0
+
+
+def test_a_dead_prefill_instance_is_a_502_and_the_decode_instance_holds_nothing(fragile):
+    router, ((_, _, prefill_engine), (decode, *_)) = fragile
+    prefill_engine._process.kill()
+    start = time.monotonic()
+    r = httpx.post(router + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 502 and "prefill instance" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 5
+    m = _idle(decode)
+    assert m["picovllm:num_requests_running"] == 0 and m["picovllm:kv_transfers_started"] == 0
+
+
+def test_a_dead_decode_instance_ends_the_stream_with_an_error_and_the_lease_frees_the_blocks(fragile):
+    router, ((prefill, *_), (_, _, decode_engine)) = fragile
+    body = {"prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        decode_engine._process.kill()
+        rest = [line for line in lines if line]
+    assert any('"error"' in line for line in rest), rest[-3:]
+    assert _idle(prefill)["picovllm:kv_blocks_held_for_pickup"] == 0
+    assert httpx.get(router + "/health").status_code == 503
