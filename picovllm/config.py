@@ -174,6 +174,9 @@ class EngineConfig:
     kv_role: str = "both"
     kv_transfer_mode: str = "async"
     kv_lease_s: float = 30.0
+    # "auto": a decode instance copies through CUDA IPC from a prefill instance whose pool is on a
+    # GPU of the same machine, else over NIXL; "nixl": always over NIXL
+    kv_transfer_backend: str = "auto"
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -205,11 +208,7 @@ class EngineConfig:
         need(self.kv_role in ("prefill", "decode", "both"), "kv_role", "must be 'prefill', 'decode' or 'both'")
         need(self.kv_transfer_mode in ("async", "sync"), "kv_transfer_mode", "must be 'async' or 'sync'")
         need(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
-        need(
-            self.kv_role == "both" or self.tensor_parallel_size == 1,
-            "kv_role",
-            "with tensor_parallel_size > 1 is not supported yet (prefill and decode instances run one rank)",
-        )
+        need(self.kv_transfer_backend in ("auto", "nixl"), "kv_transfer_backend", "must be 'auto' or 'nixl'")
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -116,6 +116,12 @@ def test_errors_models_health_and_nothing_held_afterwards(pd):
     assert own.status_code == 400 and own.json()["error"]["param"] == "kv_transfer_params"
     assert httpx.get(router + "/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.get(router + "/health").status_code == 200
+    before = _metrics(router)
+    list(_client(router).completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0, stream=True))
+    m = _metrics(router)
+    assert m['router_requests_total{outcome="ok"}'] == before.get('router_requests_total{outcome="ok"}', 0) + 1
+    assert m['router_requests_total{outcome="refused"}'] >= 1  # (the bad temperature above)
+    assert m["router_inter_chunk_seconds_count"] > before.get("router_inter_chunk_seconds_count", 0)
     # every lease released by the decode instance's pulls; no request left on either side
     deadline = time.monotonic() + 5
     while _metrics(prefill)["picovllm:kv_blocks_held_for_pickup"] and time.monotonic() < deadline:
@@ -197,3 +203,62 @@ def test_a_dead_decode_instance_ends_the_stream_with_an_error_and_the_lease_free
     assert any('"error"' in line for line in rest), rest[-3:]
     assert _idle(prefill)["picovllm:kv_blocks_held_for_pickup"] == 0
     assert httpx.get(router + "/health").status_code == 503
+
+
+def test_bench_pd_runs_both_setups_and_times_the_transfer(tiny_qwen):
+    from picovllm.bench.pd import run_pd_bench
+
+    kwargs = engine_args(tiny_qwen[0], max_model_len=256, block_size=4, max_num_batched_tokens=32, max_num_seqs=16)
+    result = run_pd_bench(kwargs, num_prompts=8, concurrency=4, input_len=32, output_len=8, transfer_len=120)
+    assert result["colocated"]["failed"] == 0 and result["pd"]["failed"] == 0
+    assert result["colocated"]["requests"] == result["pd"]["requests"] == 8
+    nixl = result["transfer"]["nixl"]
+    # 119 tokens before the last, in 4-token blocks: 30 blocks of 3 layers' K and V (fp32, 2 KV heads of 16)
+    assert nixl["transfer_mb"] == 30 * 2 * 3 * 4 * 2 * 16 * 4 / 1e6 and nixl["transfer_ms"] > 0
+    assert result["ttft_split_ms"]["prefill_ms"] > 0 and result["ttft_split_ms"]["transfer_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "arch,heads,kv_heads,tp_p,tp_d",
+    [
+        ("qwen2", 6, 2, 2, 1),  # the one decode rank reads a head from each prefill rank, token by token
+        ("qwen2", 6, 2, 1, 2),  # each decode rank reads its head from the one prefill rank, token by token
+        ("qwen2", 6, 2, 2, 2),  # rank to rank, whole blocks
+        ("llama", 4, 1, 1, 2),  # one KV head, replicated on both decode ranks
+        ("llama", 4, 1, 2, 1),  # replicated on both prefill ranks: the first one is read
+    ],
+)
+def test_prefill_and_decode_with_other_tensor_parallel_sizes(tmp_path, arch, heads, kv_heads, tp_p, tp_d):
+    """Heterogeneous TP: each decode rank pulls exactly its KV heads from the prefill ranks that
+    hold them; the completions are a colocated tp=1 engine's."""
+    from tiny_models import build_model
+
+    from picovllm import LLM, SamplingParams
+
+    path = str(tmp_path)
+    build_model(path, arch, heads=heads, kv_heads=kv_heads, tie=arch == "qwen2", seed=4)
+    llm = LLM(**engine_args(path, max_model_len=256, block_size=4))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    servers = [
+        _server(path, kv_role="prefill", tensor_parallel_size=tp_p),
+        _server(path, kv_role="decode", tensor_parallel_size=tp_d),
+    ]
+    router, stop_router = serve_in_thread(build_router_app([servers[0][0]], [servers[1][0]]))
+    try:
+        client = _client(router)
+        got = [
+            client.completions.create(
+                model=MODEL, prompt=p, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+            for p in PROMPTS
+        ]
+        assert got == want
+        assert _metrics(servers[1][0])["picovllm:kv_transfers_done"] == len(PROMPTS)
+    finally:
+        stop_router()
+        for _, stop, engine in servers:
+            stop()
+            engine.shutdown()

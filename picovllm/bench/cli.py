@@ -21,7 +21,7 @@ def _rate(s: str) -> float:
 
 
 def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, serve")
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, serve, pd")
     bench.set_defaults(parser=bench)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
@@ -103,6 +103,21 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     )
     srv.set_defaults(func=_serve, parser=srv)
 
+    pd = kinds.add_parser(
+        "pd",
+        parents=[engine_parser],
+        help="disaggregated serving against colocated",
+        description="The colocated server, then a prefill and a decode instance behind the router, under the "
+        "same streaming workload; the KV transfer of one long prompt; TTFT split into prefill, transfer, rest.",
+    )
+    pd.add_argument("--num-prompts", type=positive_int, default=256)
+    pd.add_argument("--concurrency", type=positive_int, default=64)
+    pd.add_argument("--input-len", type=positive_int, default=1024)
+    pd.add_argument("--output-len", type=positive_int, default=128)
+    pd.add_argument("--transfer-len", type=positive_int, default=2083, help="the prompt whose transfer is timed")
+    pd.add_argument("--seed", type=non_negative_int, default=0)
+    pd.set_defaults(func=_pd, parser=pd)
+
 
 def _latency(args: argparse.Namespace) -> int:
     from picovllm.bench.latency import run_latency
@@ -124,6 +139,21 @@ def _prefix(args: argparse.Namespace) -> int:
     from picovllm.bench.prefix import run_prefix
 
     run_prefix(engine_kwargs(args), args.seed, args.repeat)
+    return 0
+
+
+def _pd(args: argparse.Namespace) -> int:
+    from picovllm.bench.pd import run_pd_bench
+
+    run_pd_bench(
+        engine_kwargs(args),
+        args.num_prompts,
+        args.concurrency,
+        args.input_len,
+        args.output_len,
+        args.transfer_len,
+        args.seed,
+    )
     return 0
 
 

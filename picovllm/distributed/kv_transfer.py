@@ -5,8 +5,11 @@ KVTransfer is what the engine's side (engine/kv_handoff.py) calls, through the r
 the pool: register the pool, describe it to peers (agent_info, JSON), pull remote blocks into
 local ones, poll the pulls, and release a peer's blocks once they are pulled (the peer sees the
 release in `released`). NixlKVTransfer is its backend: one NIXL agent per pool, one-sided READs
-over UCX, host or GPU memory, across processes and machines. A dead peer fails the pulls from it
-(their ids come back from poll as failed); nothing waits on it.
+over UCX, host or GPU memory, across processes and machines. Between two GPU pools of one machine
+it copies through CUDA IPC instead (the peer's pool mapped into this process, the blocks gathered
+and scattered by two kernels on a stream of their own), when the peer's handle opens here; NIXL
+still carries the releases. A dead peer fails the pulls from it (their ids come back from poll as
+failed); nothing waits on it.
 
 The pool is the model runner's [layers, 2, num_blocks, block_size, kv_heads, head_dim] tensor:
 a block of one layer's K (or V) is contiguous, so a pull is one descriptor per layer, K/V and
@@ -16,11 +19,11 @@ run of consecutive block ids on both sides.
 from __future__ import annotations
 
 import base64
-import itertools
 import os
 import uuid
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 
@@ -53,6 +56,10 @@ class KVTransfer(ABC):
     def released(self) -> list[str]:
         """The request ids whose blocks peers released since the last call."""
 
+    def stats(self) -> dict[str, int]:
+        """The backend's own counters (LLMEngine.get_metrics)."""
+        return {}
+
     @abstractmethod
     def close(self) -> None:
         """End the pulls in flight and unregister the pool."""
@@ -74,16 +81,29 @@ _RELEASE = b"release:"
 
 
 class NixlKVTransfer(KVTransfer):
-    def __init__(self, name: str | None = None):
+    """One rank's pool. Its agent_info is {"ranks": [this rank's]}; the executor of a
+    tensor-parallel instance joins its ranks' (Executor.kv_transfer). A pull from such a list
+    takes this rank's KV heads from the ranks that hold them: whole blocks from a rank with the
+    same heads, else each token's run of shared heads (rank r holds heads [first_head,
+    first_head + num_heads) of every layer; with more ranks than KV heads a head is on several
+    ranks, and the first is read)."""
+
+    def __init__(self, first_head: int = 0, name: str | None = None, cuda_ipc: bool = True):
         api = nixl_api()
         if not torch.cuda.is_available():  # host memory: UCX's shared-memory transports failed here, TCP works
             os.environ.setdefault("UCX_TLS", "tcp")
         self.name = name or f"picovllm-{uuid.uuid4().hex[:12]}"
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.first_head = first_head
         self.kv: torch.Tensor | None = None
-        self.peers: dict[str, str] = {}  # peer name -> its agent name in NIXL (added once)
-        self.pulls: dict[str, object] = {}  # pull id -> transfer handle
+        self._info: dict | None = None  # (rank_info, once registered)
+        self.peers: set[str] = set()  # remote agents added (by name)
+        self.pulls: dict[str, list] = {}  # pull id -> its NIXL transfer handles (one a remote rank)
+        self.copies: dict[str, torch.cuda.Event] = {}  # pull id -> the end of its CUDA IPC copy
         self.failed: dict[str, str] = {}
+        self.mapped: dict[str, torch.Tensor | None] = {}  # peer name -> its pool through CUDA IPC (None: no)
+        self.cuda_ipc = cuda_ipc  # (pull through CUDA IPC where it works)
+        self.num_ipc_pulls = 0
 
     def register(self, kv_cache: torch.Tensor) -> None:
         assert kv_cache.is_contiguous() and kv_cache.dim() == 6
@@ -91,87 +111,176 @@ class NixlKVTransfer(KVTransfer):
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = kv_cache.device.index or 0
         self._registration = self.agent.register_memory(kv_cache)
+        if kv_cache.is_cuda:
+            self.stream = torch.cuda.Stream(kv_cache.device)
 
-    def _layout(self) -> dict:
-        layers, _, blocks = self.kv.shape[:3]
-        return {
-            "num_layers": layers,
-            "num_blocks": blocks,
-            "block_bytes": self.kv[0, 0, 0].numel() * self.kv.element_size(),
-        }
+    def rank_info(self) -> dict:
+        if self._info is None:
+            self._info = self._describe()
+        return self._info
 
-    def agent_info(self) -> dict:
+    def _describe(self) -> dict:
+        layers, _, blocks, block_size, heads, head_dim = self.kv.shape
         return {
             "agent": self.name,
             "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
             "base": self.kv.data_ptr(),
             "device_id": self.device_id,
             "mem_type": self.mem_type,
-            **self._layout(),
+            "cuda_ipc": _ipc_export(self.kv) if self.kv.is_cuda else None,
+            "boot_id": _boot_id(),
+            "num_layers": layers,
+            "num_blocks": blocks,
+            "block_size": block_size,
+            "first_head": self.first_head,
+            "num_heads": heads,
+            "head_bytes": head_dim * self.kv.element_size(),
         }
+
+    def agent_info(self) -> dict:
+        return {"ranks": [self.rank_info()]}
 
     def _peer(self, remote: dict) -> str:
         name = remote["agent"]
         if name not in self.peers:
-            self.peers[name] = self.agent.add_remote_agent(base64.b64decode(remote["metadata"]))
+            self.agent.add_remote_agent(base64.b64decode(remote["metadata"]))
+            self.peers.add(name)
         return name
 
-    def _descs(self, base: int, layout: dict, device_id: int, runs: list[tuple[int, int]]) -> list[tuple]:
-        """(address, bytes, device) of each (layer, K/V, run of `count` blocks from `start`)."""
-        size, planes, per_plane = layout["block_bytes"], 2 * layout["num_layers"], layout["num_blocks"]
-        return [
-            (base + (plane * per_plane + start) * size, count * size, device_id)
-            for plane, (start, count) in itertools.product(range(planes), runs)
-        ]
+    def _sources(self, ranks: list[dict]) -> list[tuple[dict, int, int]]:
+        """(remote rank, first head, end head) for each run of this rank's heads, and who holds it."""
+        mine = self.rank_info()
+        lo, end, sources = mine["first_head"], mine["first_head"] + mine["num_heads"], []
+        for r in ranks:
+            if r["num_layers"] != mine["num_layers"] or r["head_bytes"] != mine["head_bytes"]:
+                raise KVTransferError(f"the remote KV layout {_shape(r)} does not match this pool's {_shape(mine)}")
+            if r["block_size"] != mine["block_size"]:
+                raise KVTransferError(f"remote block size {r['block_size']}, this pool's {mine['block_size']}")
+            start, stop = max(lo, r["first_head"]), min(end, r["first_head"] + r["num_heads"])
+            if start == lo and start < stop:
+                sources.append((r, start, stop))
+                lo = stop
+        if lo < end:
+            raise KVTransferError(f"no remote rank holds KV heads {lo}..{end - 1}")
+        return sources
 
     def pull(self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int]) -> None:
         try:
-            layout = self._layout()
-            theirs = {k: remote[k] for k in layout}
-            if theirs["num_layers"] != layout["num_layers"] or theirs["block_bytes"] != layout["block_bytes"]:
-                raise KVTransferError(f"the remote KV layout {theirs} does not match this pool's {layout}")
-            peer = self._peer(remote)
-            runs = _runs(remote_blocks, local_blocks)
-            local = self._descs(self.kv.data_ptr(), layout, self.device_id, [(lo, n) for _, lo, n in runs])
-            far = self._descs(remote["base"], theirs, remote["device_id"], [(r, n) for r, _, n in runs])
-            handle = self.agent.initialize_xfer(
-                "READ",
-                self.agent.get_xfer_descs(local, self.mem_type),
-                self.agent.get_xfer_descs(far, remote["mem_type"]),
-                peer,
-            )
-            if self.agent.transfer(handle) == "ERR":
-                raise KVTransferError("the transfer could not start")
-            self.pulls[pull_id] = handle
+            handles = []
+            for r, lo, hi in self._sources(remote["ranks"]):
+                mapped = self._mapped(r)
+                if mapped is not None:
+                    self._copy(pull_id, mapped, r, lo, hi, remote_blocks, local_blocks)
+                    continue
+                peer = self._peer(r)
+                local, far = self._descs(r, lo, hi, remote_blocks, local_blocks)
+                handle = self.agent.initialize_xfer(
+                    "READ",
+                    self.agent.get_xfer_descs(local, self.mem_type),
+                    self.agent.get_xfer_descs(far, r["mem_type"]),
+                    peer,
+                )
+                handles.append(handle)
+                if self.agent.transfer(handle) == "ERR":
+                    raise KVTransferError("the transfer could not start")
+            if handles:
+                self.pulls[pull_id] = handles
         except Exception as e:  # (NIXL's errors, a peer gone: the pull fails, the engine goes on)
             self.failed[pull_id] = f"{type(e).__name__}: {e}"
 
+    def _descs(self, r: dict, lo: int, hi: int, remote_blocks, local_blocks) -> tuple[np.ndarray, np.ndarray]:
+        """[N, 3] (address, bytes, device) on both sides: heads [lo, hi) of every layer's K and V of
+        the blocks; one descriptor per run of consecutive blocks when both hold just those heads,
+        else one per token."""
+        mine = self.rank_info()
+        runs = np.array(_runs(remote_blocks, local_blocks), dtype=np.int64).reshape(-1, 3)
+        planes = np.arange(2 * mine["num_layers"], dtype=np.int64)[:, None]
+
+        whole = mine["num_heads"] == r["num_heads"] == hi - lo
+        out = []
+        for info, col in ((mine, 1), (r, 0)):  # (columns of runs: remote start, local start, count)
+            base, nblocks = info["base"], info["num_blocks"]
+            token = info["num_heads"] * info["head_bytes"]
+            head_offset = (lo - info["first_head"]) * info["head_bytes"]
+            block = token * info["block_size"]
+            if whole:
+                addr = base + (planes * nblocks + runs[None, :, col]) * block
+                size = np.broadcast_to(runs[None, :, 2] * block, addr.shape)
+            else:  # each token of each block: its run of heads
+                blocks = np.concatenate([np.arange(s, s + n) for s, n in zip(runs[:, col], runs[:, 2])])
+                t = np.arange(info["block_size"], dtype=np.int64)
+                addr = base + ((planes[:, :, None] * nblocks + blocks[None, :, None]) * info["block_size"] + t) * token
+                addr = addr + head_offset
+                size = np.full(addr.shape, (hi - lo) * info["head_bytes"])
+            device = np.full(addr.size, info["device_id"], dtype=np.int64)
+            out.append(np.stack([addr.ravel(), np.ravel(size), device], axis=1).astype(np.uint64))
+        return out[0], out[1]
+
+    def _mapped(self, remote: dict) -> torch.Tensor | None:
+        """The peer's pool mapped through CUDA IPC: both pools on GPUs of this machine booted
+        once, and the handle opens here; else None (NIXL then)."""
+        name = remote["agent"]
+        if name not in self.mapped:
+            self.mapped[name] = None
+            if self.cuda_ipc and self.kv.is_cuda and remote.get("cuda_ipc") and remote.get("boot_id") == _boot_id():
+                try:
+                    self.mapped[name] = _ipc_open(remote["cuda_ipc"])
+                except Exception:  # (another container, no peer access: NIXL carries it)
+                    pass
+        return self.mapped[name]
+
+    def _copy(self, pull_id: str, remote_kv: torch.Tensor, r: dict, lo: int, hi: int, remote_blocks, local_blocks):
+        """Heads [lo, hi) of the blocks gathered from the peer's pool and scattered into ours, on
+        our copy stream (a pull's later copies are ordered after its earlier ones)."""
+        device = self.kv.device
+        theirs = slice(lo - r["first_head"], hi - r["first_head"])
+        mine = slice(lo - self.first_head, hi - self.first_head)
+        with torch.cuda.stream(self.stream):
+            src = torch.tensor(remote_blocks, device=remote_kv.device)
+            dst = torch.tensor(local_blocks, device=device)
+            gathered = remote_kv.index_select(2, src)[:, :, :, :, theirs].to(device, non_blocking=True)
+            self.kv[:, :, :, :, mine].index_copy_(2, dst, gathered)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.copies[pull_id] = done
+        self.num_ipc_pulls += 1
+
     def poll(self) -> tuple[list[str], dict[str, str]]:
+        copied = {pull_id for pull_id, event in self.copies.items() if event.query()}
+        for pull_id in copied:
+            del self.copies[pull_id]
         done = []
-        for pull_id, handle in list(self.pulls.items()):
-            try:
-                state = self.agent.check_xfer_state(handle)
-            except Exception as e:
-                state, why = "ERR", f"{type(e).__name__}: {e}"
-            else:
-                why = "the transfer failed"
-            if state == "PROC":
+        for pull_id, handles in list(self.pulls.items()):
+            states = []
+            for handle in handles:
+                try:
+                    states.append(self.agent.check_xfer_state(handle))
+                except Exception as e:
+                    states.append(f"{type(e).__name__}: {e}")
+            if "PROC" in states:
                 continue
             del self.pulls[pull_id]
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:
-                pass
-            if state == "DONE":
+            for handle in handles:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:
+                    pass
+            bad = [s for s in states if s != "DONE"]
+            if bad:
+                self.failed[pull_id] = "the transfer failed" if bad[0] == "ERR" else bad[0]
+            elif pull_id not in self.copies:
                 done.append(pull_id)
-            else:
-                self.failed[pull_id] = why
+        done += [p for p in copied if p not in self.pulls and p not in self.failed]
         failed, self.failed = self.failed, {}
         return done, failed
 
+    def stats(self) -> dict[str, int]:
+        return {"kv_transfers_cuda_ipc": self.num_ipc_pulls}
+
     def release(self, remote: dict, request_id: str) -> None:
+        """(To the remote instance's rank 0, which holds the lease.)"""
         try:
-            self.agent.send_notif(self._peer(remote), _RELEASE + request_id.encode())
+            self.agent.send_notif(self._peer(remote["ranks"][0]), _RELEASE + request_id.encode())
         except Exception:  # the peer is gone: its lease on the blocks ends by itself
             pass
 
@@ -182,16 +291,24 @@ class NixlKVTransfer(KVTransfer):
         return ids
 
     def close(self) -> None:
-        if self.pulls:  # (a pull still writing into the pool must end before the pool goes)
-            for handle in self.pulls.values():
+        for event in self.copies.values():
+            event.synchronize()
+        self.copies.clear()
+        self.mapped.clear()
+        for handles in self.pulls.values():  # (a pull still writing into the pool must end before the pool goes)
+            for handle in handles:
                 try:
                     self.agent.release_xfer_handle(handle)
                 except Exception:
                     pass
-            self.pulls.clear()
+        self.pulls.clear()
         if self.kv is not None:
             self.agent.deregister_memory(self._registration)
             self.kv = None
+
+
+def _shape(info: dict) -> dict:
+    return {k: info[k] for k in ("num_layers", "num_heads", "head_bytes", "block_size")}
 
 
 def _runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
@@ -203,3 +320,59 @@ def _runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append([r, lo, 1])
     return [tuple(x) for x in runs]
+
+
+def _boot_id() -> str:
+    """This machine's boot (processes that share it may share GPU memory)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _ipc_export(t: torch.Tensor) -> dict:
+    """A CUDA tensor's IPC handle as JSON (torch.multiprocessing's, whose pickle a peer must not be
+    made to load)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(t)
+    _, size, stride, offset, _, dtype, device, handle, nbytes, nbytes_offset, _, ref, ref_offset, event, sync = args
+    b64 = base64.b64encode
+    return {
+        "size": list(size),
+        "stride": list(stride),
+        "offset": offset,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "handle": b64(handle).decode(),
+        "storage_bytes": nbytes,
+        "storage_offset": nbytes_offset,
+        "ref_counter": b64(ref).decode(),
+        "ref_counter_offset": ref_offset,
+        "event": b64(event).decode() if event else None,
+        "event_sync": sync,
+    }
+
+
+def _ipc_open(d: dict) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    unb64 = base64.b64decode
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(d["size"]),
+        tuple(d["stride"]),
+        d["offset"],
+        torch.storage.TypedStorage,
+        getattr(torch, d["dtype"]),
+        d["device"],
+        unb64(d["handle"]),
+        d["storage_bytes"],
+        d["storage_offset"],
+        False,
+        unb64(d["ref_counter"]),
+        d["ref_counter_offset"],
+        unb64(d["event"]) if d["event"] else None,
+        d["event_sync"],
+    )

@@ -36,7 +36,7 @@ logger = logging.getLogger("picovllm")
 
 
 class KVHandoff:
-    def __init__(self, config: EngineConfig, transfer: KVTransfer, scheduler: Scheduler):
+    def __init__(self, config: EngineConfig, transfer: KVTransfer, scheduler: Scheduler, block_bytes: int):
         self.role, self.sync, self.lease_s = config.kv_role, config.kv_transfer_mode == "sync", config.kv_lease_s
         self.transfer = transfer
         self.scheduler = scheduler
@@ -44,6 +44,8 @@ class KVHandoff:
         self.leases: dict[str, tuple[list[int], float]] = {}  # request id -> (blocks held, deadline)
         self.pulling: dict[str, Request] = {}  # request id -> request, its pull in flight
         self.aborted: set[str] = set()  # pulls in flight whose requests were aborted
+        self.started: dict[str, float] = {}  # pull id -> when it started
+        self.block_bytes = block_bytes  # one block, every layer's K and V
         self.metrics = dict.fromkeys(METRICS, 0)
 
     # ---- prefill side -----------------------------------------------------------------------
@@ -95,6 +97,8 @@ class KVHandoff:
         self.pulling[req.request_id] = req
         self.metrics["kv_transfers_started"] += 1
         self.metrics["kv_transfer_blocks"] += len(remote)
+        self.metrics["kv_transfer_bytes"] += len(remote) * self.block_bytes
+        self.started[req.request_id] = time.perf_counter()
         self.transfer.pull(req.request_id, params["remote_agent"], remote, req.block_table[first:last])
         while self.sync and req.request_id in self.pulling:
             self.poll()
@@ -103,10 +107,13 @@ class KVHandoff:
         """The requests whose pulls landed since the last call (now RUNNING). A failed pull puts
         its request back in the queue to prefill here, as vLLM's "recompute" policy does; an
         aborted request is finished once its pull has ended."""
+        if not self.pulling:
+            return []
         done, failed = self.transfer.poll()
         landed = []
         for rid in done + list(failed):
             req = self.pulling.pop(rid)
+            self.metrics["kv_transfer_seconds"] += time.perf_counter() - self.started.pop(rid)
             self._release(req)
             self.metrics["kv_transfers_failed" if rid in failed else "kv_transfers_done"] += 1
             if rid in self.aborted:
@@ -143,7 +150,8 @@ class KVHandoff:
         return [blocks for blocks, _ in self.leases.values()]
 
     def get_metrics(self) -> dict[str, int]:
-        return {**self.metrics, "kv_blocks_held_for_pickup": sum(len(b) for b in self.held_blocks())}
+        held = sum(len(b) for b in self.held_blocks())
+        return {**self.metrics, **self.transfer.stats(), "kv_blocks_held_for_pickup": held}
 
 
 METRICS = {  # LLMEngine.get_metrics' keys of a prefill or decode instance, and what they count
@@ -151,7 +159,10 @@ METRICS = {  # LLMEngine.get_metrics' keys of a prefill or decode instance, and 
     "kv_transfers_done": "KV pulls completed (decode instance).",
     "kv_transfers_failed": "KV pulls failed; their requests prefilled locally (decode instance).",
     "kv_transfer_blocks": "KV blocks pulled (decode instance).",
+    "kv_transfer_bytes": "KV bytes pulled (decode instance).",
+    "kv_transfer_seconds": "Time from a pull's start to its end, summed over pulls (decode instance).",
     "kv_leases_expired": "Prompts whose KV no decode instance pulled in time (prefill instance).",
+    "kv_transfers_cuda_ipc": "KV pulls copied through CUDA IPC, not NIXL (decode instance).",
 }
 GAUGES = {"kv_blocks_held_for_pickup": "KV blocks held for decode instances to pull (prefill instance)."}
 

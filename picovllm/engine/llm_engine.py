@@ -142,7 +142,8 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
         if config.kv_role != "both":
-            self.kv_handoff = KVHandoff(config, self.executor.kv_transfer, self.scheduler)
+            block_bytes = self.model_runner.kv_block_bytes()
+            self.kv_handoff = KVHandoff(config, self.executor.kv_transfer, self.scheduler, block_bytes)
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
         self.async_scheduling = config.async_scheduling

@@ -311,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="a prefill instance frees KV blocks that no decode instance pulled after this many seconds (30)",
     )
+    serve.add_argument(
+        "--kv-transfer-backend",
+        default="auto",
+        choices=["auto", "nixl"],
+        help="auto (default): a decode instance copies through CUDA IPC from a prefill instance on a GPU of the "
+        "same machine, else over NIXL; nixl: always over NIXL",
+    )
     serve.set_defaults(func=_cmd_serve, parser=serve)
 
     router = sub.add_parser(

@@ -66,6 +66,9 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI
         "router_prefill_seconds", "time to the prefill instance's answer", registry=registry, buckets=_BUCKETS
     )
     ttft = Histogram("router_time_to_first_byte_seconds", "time to the decode answer's first bytes", registry=registry)
+    itl = Histogram(
+        "router_inter_chunk_seconds", "time between a streamed answer's chunks", registry=registry, buckets=_BUCKETS
+    )
     session: dict[str, aiohttp.ClientSession] = {}
 
     @contextlib.asynccontextmanager
@@ -98,7 +101,8 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI
                     requests.labels("refused").inc()
                     return refusal
                 prefill_s.observe(time.perf_counter() - start)
-            return await _decode(session["s"], decode.pick(), path, body, kv, headers, start, ttft, requests)
+            timers = (start, ttft, itl, requests)
+            return await _decode(session["s"], decode.pick(), path, body, kv, headers, timers)
         except _Unreachable as e:
             requests.labels("unreachable").inc()
             return _error(502, str(e))
@@ -144,7 +148,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI
     return app
 
 
-_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 async def _prefill(session, instance: _Instance, path: str, body: dict, headers: dict):
@@ -169,8 +173,10 @@ async def _prefill(session, instance: _Instance, path: str, body: dict, headers:
         instance.in_flight -= 1
 
 
-async def _decode(session, instance: _Instance, path: str, body: dict, kv, headers, start, ttft, requests):
-    """The request through a decode instance, its answer streamed back as it comes."""
+async def _decode(session, instance: _Instance, path: str, body: dict, kv, headers, timers):
+    """The request through a decode instance, its answer streamed back as it comes; timers:
+    (the request's start, the first-byte and inter-chunk histograms, the outcome counter)."""
+    start, ttft, itl, requests = timers
     if kv is not None:
         body = {**body, "kv_transfer_params": kv}
     instance.in_flight += 1
@@ -181,12 +187,15 @@ async def _decode(session, instance: _Instance, path: str, body: dict, kv, heade
         raise _Unreachable(instance, e) from None
 
     async def relay():
-        first = True
+        last = None
         try:
             async for chunk in response.content.iter_any():
-                if first:
-                    ttft.observe(time.perf_counter() - start)
-                    first = False
+                now = time.perf_counter()
+                if last is None:
+                    ttft.observe(now - start)
+                else:
+                    itl.observe(now - last)
+                last = now
                 yield chunk
             requests.labels("ok" if response.status == 200 else "error").inc()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # the decode instance went away mid-answer

@@ -27,6 +27,7 @@ import torch
 from picovllm import envs
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import BroadcastChannel
+from picovllm.distributed.kv_transfer import KVTransfer
 from picovllm.distributed.parallel_state import check_torchrun_world, destroy_distributed, init_distributed
 from picovllm.model.layers.linear import check_tp_heads
 from picovllm.worker.inputs import StepInputs
@@ -115,12 +116,17 @@ class Executor:
         self.error: WorkerError | None = None
         self.graphs_capturable = True  # CUDA graphs capture NCCL's collectives, not gloo's
         self._runners: list[ModelRunner] = []  # rank 0's, once loaded (for _stop)
+        self._ranked: _RankedKVTransfer | None = None
         launched = envs.torchrun_ranks()
         if tp > 1:  # before any process starts
             check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
         if launched is not None:
             check_torchrun_world(launched[1], tp)
         if tp > 1 and launched is not None:
+            if config.kv_role != "both":
+                raise ValueError(
+                    "a prefill or decode instance under torchrun is not supported: use -tp without torchrun"
+                )
             init_distributed(tp, 0, "nccl" if device.type == "cuda" else "gloo")
             self.channel = BroadcastChannel()
             self.channel.send((dataclasses.asdict(config), max_model_len))
@@ -181,9 +187,13 @@ class Executor:
         self.driver.allocate_kv_cache(num_blocks)
 
     @property
-    def kv_transfer(self):
-        """Rank 0's KV transfer (a prefill or decode instance runs one rank)."""
-        return self.driver.kv_transfer
+    def kv_transfer(self) -> KVTransfer | None:
+        """The KV transfer of a prefill or decode instance: rank 0's, or with workers every rank's."""
+        if self.driver.kv_transfer is None or not self.workers:
+            return self.driver.kv_transfer
+        if self._ranked is None:
+            self._ranked = _RankedKVTransfer(self)
+        return self._ranked
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int) -> float:
         """Every rank captures the same graphs, in the same order (their all-reduces meet)."""
@@ -232,3 +242,63 @@ class Executor:
     def shutdown(self) -> None:
         if self.tp_size > 1:
             self._finalizer()
+
+
+class _RankedKVTransfer(KVTransfer):
+    """Every rank's KV transfer as one: the ranks' pools described together; a pull started on
+    every rank (each its own heads) and ended when all have ended (a failure reported only then:
+    the other ranks may still be writing the blocks); releases and their notices on rank 0."""
+
+    def __init__(self, executor: Executor):
+        self.executor, self.driver = executor, executor.driver.kv_transfer
+        self.info: dict | None = None
+        self.ended: dict[str, list[str | None]] = {}  # pull id -> each rank's failure (None: done) so far
+
+    def register(self, kv_cache: torch.Tensor) -> None:
+        raise NotImplementedError("each rank registers its own pool")
+
+    def agent_info(self) -> dict:
+        if self.info is None:
+            ranks = [self.driver.rank_info()]
+            for w in self.executor.workers:
+                self.executor._send(w, ("kv_info",))
+                ranks.append(self.executor._expect(w, "kv_info"))
+            self.info = {"ranks": ranks}
+        return self.info
+
+    def pull(self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int]) -> None:
+        self.executor._publish(("kv_pull", pull_id, remote, remote_blocks, local_blocks))
+        self.driver.pull(pull_id, remote, remote_blocks, local_blocks)
+
+    def poll(self) -> tuple[list[str], dict[str, str]]:
+        answers = [self.driver.poll()]
+        for w in self.executor.workers:
+            self.executor._send(w, ("kv_poll",))
+            answers.append(self.executor._expect(w, "kv_poll"))
+        done, failed = [], {}
+        for done_ids, failed_ids in answers:
+            for pull_id in done_ids:
+                self.ended.setdefault(pull_id, []).append(None)
+            for pull_id, why in failed_ids.items():
+                self.ended.setdefault(pull_id, []).append(why)
+        for pull_id, ends in list(self.ended.items()):
+            if len(ends) == len(answers):
+                del self.ended[pull_id]
+                why = next((e for e in ends if e is not None), None)
+                if why is None:
+                    done.append(pull_id)
+                else:
+                    failed[pull_id] = why
+        return done, failed
+
+    def release(self, remote: dict, request_id: str) -> None:
+        self.driver.release(remote, request_id)
+
+    def released(self) -> list[str]:
+        return self.driver.released()
+
+    def stats(self) -> dict[str, int]:
+        return self.driver.stats()
+
+    def close(self) -> None:
+        self.driver.close()  # (the workers close theirs as they stop)

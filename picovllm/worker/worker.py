@@ -40,20 +40,29 @@ def _model_runner(config: EngineConfig, device: torch.device, max_model_len: int
     return ModelRunner(config, model_config, path, dtype, device, max_model_len, set())
 
 
-def _follow(runner, recv) -> None:
+def _follow(runner, recv, reply=None) -> None:
     """Run rank 0's messages until its None: ("kv", num_blocks), ("graphs", max_num_seqs,
-    max_model_len, mixed_graph_tokens), ("step", StepInputs, num_pending). The graphs are freed
-    before the process group is (a graph holding NCCL's work hung at exit otherwise)."""
+    max_model_len, mixed_graph_tokens), ("step", StepInputs, num_pending); a prefill or decode
+    instance's ("kv_info",), ("kv_pull", pull_id, remote, remote_blocks, local_blocks) and
+    ("kv_poll",), the first and last answered through reply. The graphs are freed before the
+    process group is (a graph holding NCCL's work hung at exit otherwise)."""
     try:
         while (msg := recv()) is not None:
-            if msg[0] == "step":
+            kind = msg[0]
+            if kind == "step":
                 runner.step_logits(msg[1], None, msg[2])
-            elif msg[0] == "kv":
+            elif kind == "kv":
                 runner.allocate_kv_cache(msg[1])
-            else:
+            elif kind == "graphs":
                 runner.capture_graphs(*msg[1:])
+            elif kind == "kv_pull":
+                runner.kv_transfer.pull(*msg[1:])
+            else:
+                reply((kind, runner.kv_transfer.rank_info() if kind == "kv_info" else runner.kv_transfer.poll()))
     finally:
         runner.free_graphs()
+        if runner.kv_transfer is not None:
+            runner.kv_transfer.close()
 
 
 def _stopping(conn) -> bool:
@@ -79,7 +88,7 @@ def worker_main(
         init_distributed(world_size, rank, backend, init_method)
         runner = _model_runner(config, device, max_model_len)
         conn.send(("ready", runner.num_kv_blocks(config)))
-        _follow(runner, conn.recv)
+        _follow(runner, conn.recv, conn.send)
     except EOFError:  # rank 0 went away
         return
     except BaseException as e:
