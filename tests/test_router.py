@@ -262,3 +262,65 @@ def test_prefill_and_decode_with_other_tensor_parallel_sizes(tmp_path, arch, hea
         for _, stop, engine in servers:
             stop()
             engine.shutdown()
+
+
+def test_sigterm_drains_the_router(pd):
+    """SIGTERM: the router takes no new connection, the stream in flight finishes whole, then it exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    _, prefill, decode, _ = pd
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "router", "--prefill", prefill, "--decode", decode]
+    proc = subprocess.Popen([*cli, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
+        lines, started = [], threading.Event()
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):
+            httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=5)
+        reader.join(60)
+        events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) == 150 + 1  # every token, then the end
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # (uvicorn ends by the signal it drained for)
+    finally:
+        proc.kill()
+
+
+def test_a_stopping_prefill_instance_waits_for_its_held_kv(tiny_qwen):
+    """Its server's shutdown waits until the KV it holds is pulled or the lease ends (here: ends)."""
+    url, stop, engine = _server(tiny_qwen[0], kv_role="prefill", kv_lease_s=1.0)
+    try:
+        body = {"prompt": PROMPTS[1], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        assert answer["kv_transfer_params"]["remote_block_ids"]
+        assert _metrics(url)["picovllm:kv_blocks_held_for_pickup"] > 0
+        start = time.monotonic()
+        stop()
+        assert 0.5 < time.monotonic() - start < 5 and engine.get_metrics()["kv_blocks_held_for_pickup"] == 0
+    finally:
+        engine.shutdown()

@@ -18,6 +18,27 @@ from picovllm.entrypoints.args import (
 )
 
 GRACEFUL_SHUTDOWN_S = 5  # what open streams get to finish after Ctrl-C before they are cut
+DRAIN_S = 300  # what in-flight requests get to finish after SIGTERM (no new connection is taken)
+
+
+def _serve_http(app, host: str, port: int, log_level: str) -> None:
+    """uvicorn, stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or draining on SIGTERM:
+    it stops taking connections, and the requests in flight finish (within DRAIN_S); a prefill
+    instance then also waits for its held KV to be pulled or its leases to end (server.py)."""
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM:
+                self.config.timeout_graceful_shutdown = DRAIN_S
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+    )
+    Server(config).run()
 
 
 def _say(text: str) -> None:
@@ -178,7 +199,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
 
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
     from picovllm.entrypoints.openai.server import build_app
@@ -193,32 +213,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
     _say(
         f"serving on http://{args.host}:{args.port} (Ctrl-C stops it; open streams get "
-        f"{GRACEFUL_SHUTDOWN_S} s to finish)"
+        f"{GRACEFUL_SHUTDOWN_S} s to finish; SIGTERM drains)"
     )
     with frozen_heap():
         try:
-            uvicorn.run(
-                app,
-                host=args.host,
-                port=args.port,
-                log_level=args.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            )
+            _serve_http(app, args.host, args.port, args.log_level)
         finally:
             engine.shutdown()
     return 0
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from picovllm.entrypoints.router import build_router_app
 
     app = build_router_app(args.prefill, args.decode)
     _say(
         f"routing on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}"
+        " (SIGTERM drains)"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    _serve_http(app, args.host, args.port, "warning")
     return 0
 
 

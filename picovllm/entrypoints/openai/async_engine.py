@@ -109,6 +109,7 @@ class _Background:
     max_model_len: int
     kv_role: str
     block_size: int
+    kv_lease_s: float
 
     def __init__(self, on_step=None):
         self.on_step = on_step  # called after each step with (self, outputs): metrics
@@ -193,6 +194,7 @@ class AsyncEngine(_Background):
         self.tokenizer = engine.tokenizer
         self.vocab_size, self.max_model_len = engine.model_config.vocab_size, engine.max_model_len
         self.kv_role, self.block_size = engine.config.kv_role, engine.config.block_size
+        self.kv_lease_s = engine.config.kv_lease_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
         self._thread.start()
@@ -251,6 +253,7 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
                 "tokenizer": engine.tokenizer_source,
                 "kv_role": engine.config.kv_role,
                 "block_size": engine.config.block_size,
+                "kv_lease_s": engine.config.kv_lease_s,
             },
         )
     )
@@ -296,7 +299,7 @@ class EngineProcess(_Background):
             self._process.join()
             raise info
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
-        self.kv_role, self.block_size = info["kv_role"], info["block_size"]
+        self.kv_role, self.block_size, self.kv_lease_s = info["kv_role"], info["block_size"], info["kv_lease_s"]
         self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
         self._metrics: dict[str, int] = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes

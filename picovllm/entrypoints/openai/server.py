@@ -7,6 +7,7 @@ unknown model. A streaming client that disconnects aborts its request, which fre
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -43,6 +44,17 @@ async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
     return _error(400, f"invalid request: {param}: {first.get('msg', exc)}", "BadRequestError", param)
 
 
+async def _pickups(engine: AsyncEngine | EngineProcess) -> None:
+    """On the way out (the requests done): a prefill instance waits until decode instances have
+    pulled the KV it holds, or its leases have ended (the engine ends them), as long as the engine
+    lives."""
+    deadline = time.monotonic() + engine.kv_lease_s + 1
+    while engine.error is None and time.monotonic() < deadline:
+        if not engine.get_metrics().get("kv_blocks_held_for_pickup"):
+            return
+        await asyncio.sleep(0.05)
+
+
 def build_app(
     engine: AsyncEngine | EngineProcess,
     served_model_name: str,
@@ -54,6 +66,7 @@ def build_app(
         if isinstance(engine, EngineProcess):  # its steps are read on this loop from the start
             engine.attach()
         yield
+        await _pickups(engine)
 
     app = FastAPI(title="Pico-vLLM OpenAI-compatible server", lifespan=lifespan)
     metrics = ServerMetrics()
