@@ -72,6 +72,7 @@ def test_completions_through_the_router_equal_the_colocated_server(pd):
         dict(max_tokens=10, temperature=0, extra_body={"ignore_eos": True}),
         dict(max_tokens=8, temperature=0.9, seed=5, n=2, extra_body={"ignore_eos": True}),
         dict(max_tokens=12, temperature=0, stop=[" the"]),
+        dict(max_tokens=6, temperature=0, logprobs=2, extra_body={"min_tokens": 4}),  # (not for the prefill)
     ]:
         for prompt in PROMPTS:
             got = ours.completions.create(model=MODEL, prompt=prompt, **kwargs)

@@ -148,13 +148,15 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI
     return app
 
 
+# what the decode instance's answer alone needs (min_tokens would not even fit one token)
+_NOT_FOR_PREFILL = ("stream", "stream_options", "logprobs", "top_logprobs", "echo", "min_tokens")
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 async def _prefill(session, instance: _Instance, path: str, body: dict, headers: dict):
     """The prompt through a prefill instance: (its kv_transfer_params, None), or (None, the error
     response to pass back)."""
-    first = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "logprobs", "top_logprobs", "echo")}
+    first = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
     first.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
     if "max_completion_tokens" in first:
         first["max_completion_tokens"] = 1
