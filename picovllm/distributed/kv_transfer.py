@@ -100,7 +100,8 @@ class NixlKVTransfer(KVTransfer):
         self.peers: set[str] = set()  # remote agents added (by name)
         self.pulls: dict[str, list] = {}  # pull id -> its NIXL transfer handles (one a remote rank)
         self.copies: dict[str, torch.cuda.Event] = {}  # pull id -> the end of its CUDA IPC copy
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # pull id -> why, reported once nothing of it is in flight
+        self.active: set[str] = set()  # pulls started, not reported by poll yet
         self.mapped: dict[str, torch.Tensor | None] = {}  # peer name -> its pool through CUDA IPC (None: no)
         self.cuda_ipc = cuda_ipc  # (pull through CUDA IPC where it works)
         self.num_ipc_pulls = 0
@@ -165,8 +166,9 @@ class NixlKVTransfer(KVTransfer):
         return sources
 
     def pull(self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int]) -> None:
+        self.active.add(pull_id)
+        handles = []
         try:
-            handles = []
             for r, lo, hi in self._sources(remote["ranks"]):
                 mapped = self._mapped(r)
                 if mapped is not None:
@@ -183,10 +185,10 @@ class NixlKVTransfer(KVTransfer):
                 handles.append(handle)
                 if self.agent.transfer(handle) == "ERR":
                     raise KVTransferError("the transfer could not start")
-            if handles:
-                self.pulls[pull_id] = handles
         except Exception as e:  # (NIXL's errors, a peer gone: the pull fails, the engine goes on)
             self.failed[pull_id] = f"{type(e).__name__}: {e}"
+        if handles:  # (a failed pull too: what it started may still be writing the blocks)
+            self.pulls[pull_id] = handles
 
     def _descs(self, r: dict, lo: int, hi: int, remote_blocks, local_blocks) -> tuple[np.ndarray, np.ndarray]:
         """[N, 3] (address, bytes, device) on both sides: heads [lo, hi) of every layer's K and V of
@@ -246,10 +248,11 @@ class NixlKVTransfer(KVTransfer):
         self.num_ipc_pulls += 1
 
     def poll(self) -> tuple[list[str], dict[str, str]]:
-        copied = {pull_id for pull_id, event in self.copies.items() if event.query()}
-        for pull_id in copied:
-            del self.copies[pull_id]
-        done = []
+        """A pull ends when none of its CUDA IPC copies and NIXL transfers is in flight; it failed
+        if any of them did (or it could not start)."""
+        for pull_id, event in list(self.copies.items()):
+            if event.query():
+                del self.copies[pull_id]
         for pull_id, handles in list(self.pulls.items()):
             states = []
             for handle in handles:
@@ -267,11 +270,14 @@ class NixlKVTransfer(KVTransfer):
                     pass
             bad = [s for s in states if s != "DONE"]
             if bad:
-                self.failed[pull_id] = "the transfer failed" if bad[0] == "ERR" else bad[0]
-            elif pull_id not in self.copies:
+                self.failed.setdefault(pull_id, "the transfer failed" if bad[0] == "ERR" else bad[0])
+        done, failed = [], {}
+        for pull_id in [p for p in self.active if p not in self.pulls and p not in self.copies]:
+            self.active.discard(pull_id)
+            if pull_id in self.failed:
+                failed[pull_id] = self.failed.pop(pull_id)
+            else:
                 done.append(pull_id)
-        done += [p for p in copied if p not in self.pulls and p not in self.failed]
-        failed, self.failed = self.failed, {}
         return done, failed
 
     def stats(self) -> dict[str, int]:
@@ -302,6 +308,7 @@ class NixlKVTransfer(KVTransfer):
                 except Exception:
                     pass
         self.pulls.clear()
+        self.active.clear()
         if self.kv is not None:
             self.agent.deregister_memory(self._registration)
             self.kv = None
