@@ -21,6 +21,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from conftest import engine_args  # noqa: E402
 
+from picovllm.bench.pd import scrape_metrics as _metrics  # noqa: E402
 from picovllm.entrypoints.openai.async_engine import EngineProcess  # noqa: E402
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
 from picovllm.entrypoints.router import build_router_app  # noqa: E402
@@ -55,11 +56,6 @@ def pd(tiny_qwen, request):
 
 def _client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-
-
-def _metrics(url) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a land far away,"]

@@ -28,7 +28,8 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _metrics(url: str) -> dict[str, float]:
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {sample with its labels: value}."""
     lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
     return {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}
 
@@ -85,9 +86,9 @@ def _transfer(router: str, prefill: str, decode: str, length: int, vocab: int, s
     start = time.perf_counter()
     httpx.post(prefill + "/v1/completions", json={**body, "prompt": prompt[::-1]}, timeout=120).raise_for_status()
     prefill_s = time.perf_counter() - start
-    before = _metrics(decode)
+    before = scrape_metrics(decode)
     httpx.post(router + "/v1/completions", json=body, timeout=120).raise_for_status()
-    after = _metrics(decode)
+    after = scrape_metrics(decode)
     seconds = after["picovllm:kv_transfer_seconds"] - before["picovllm:kv_transfer_seconds"]
     nbytes = after["picovllm:kv_transfer_bytes"] - before["picovllm:kv_transfer_bytes"]
     return {
@@ -125,13 +126,13 @@ def run_pd_bench(
         _say(f"bench pd: one {transfer_len}-token prompt's transfer, kv_transfer_backend {backend}")
         with _pd_servers(kwargs) as (router, prefill, decode):
             transfer = _transfer(router, prefill, decode, transfer_len, vocab, seed)
-            path = "cuda_ipc" if _metrics(decode)["picovllm:kv_transfers_cuda_ipc"] else "nixl"
+            path = "cuda_ipc" if scrape_metrics(decode)["picovllm:kv_transfers_cuda_ipc"] else "nixl"
             transfers[path] = transfer
     _say("bench pd: prefill and decode instances behind the router")
     with _pd_servers(engine_kwargs) as (router, prefill, decode):
-        before_r, before_d = _metrics(router), _metrics(decode)
+        before_r, before_d = scrape_metrics(router), scrape_metrics(decode)
         pd = run_serve_bench(router, "bench", vocab_size=vocab, seed=seed, **workload)
-        after_r, after_d = _metrics(router), _metrics(decode)
+        after_r, after_d = scrape_metrics(router), scrape_metrics(decode)
 
     def delta(after, before, name):
         return after.get(name, 0.0) - before.get(name, 0.0)

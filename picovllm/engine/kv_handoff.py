@@ -103,14 +103,13 @@ class KVHandoff:
         while self.sync and req.request_id in self.pulling:
             self.poll()
 
-    def poll(self) -> list[Request]:
-        """The requests whose pulls landed since the last call (now RUNNING). A failed pull puts
+    def poll(self) -> None:
+        """The pulls that ended since the last call: their requests run now. A failed pull puts
         its request back in the queue to prefill here, as vLLM's "recompute" policy does; an
         aborted request is finished once its pull has ended."""
         if not self.pulling:
-            return []
+            return
         done, failed = self.transfer.poll()
-        landed = []
         for rid in done + list(failed):
             req = self.pulling.pop(rid)
             self.metrics["kv_transfer_seconds"] += time.perf_counter() - self.started.pop(rid)
@@ -124,8 +123,6 @@ class KVHandoff:
                 self.scheduler.requeue(req)
             else:
                 self.scheduler.pulled(req)
-                landed.append(req)
-        return landed
 
     def abort(self, req: Request) -> bool:
         """True if req's pull is in flight: it is finished when the pull ends (its blocks are

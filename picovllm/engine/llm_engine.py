@@ -80,6 +80,11 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0) -> StepInputs:
     )
 
 
+def _reads_output(req: Request) -> bool:
+    """Whether req's next sample depends on its output so far: penalties, or a min_tokens ban."""
+    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens
+
+
 def sampling_batch(reqs: list[Request], finished_ids: list[str]) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data (a pending row's output so
     far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban)."""
@@ -327,11 +332,8 @@ class LLMEngine:
         if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             return last[1]
         batch = sampling_batch(reqs, finished)
-        static = (
-            not finished  # (a batch is sent once with the ids of the requests finished before it)
-            and batch.prompt_ids is None
-            and all(r.num_output_tokens >= r.params.min_tokens for r in reqs)
-        )
+        # (a batch is sent once with the ids of the requests finished before it)
+        static = not finished and not any(map(_reads_output, reqs))
         self._last_sampling = (reqs, batch) if static else None
         return batch
 
@@ -344,9 +346,7 @@ class LLMEngine:
         if not reqs:
             return None
         running = set(map(id, sched.running))
-        if any(
-            id(r) not in running or r.params.has_penalties or r.num_output_tokens < r.params.min_tokens for r in reqs
-        ):
+        if any(id(r) not in running or _reads_output(r) for r in reqs):
             return None
         # a request whose token in flight is its last (max_tokens, max_model_len) finishes
         # whatever that token is: it does not go on

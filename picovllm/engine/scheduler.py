@@ -160,9 +160,7 @@ class Scheduler:
             self.waiting.popleft()
             cache.allocate(req, needed)
             cache.insert(req, req.num_computed_tokens + n)
-            if req.num_prompt_cached_tokens is None:
-                req.num_prompt_cached_tokens = req.num_cached_tokens
-                cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
+            self._count_prompt_hits(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.add(req, n)
@@ -179,13 +177,18 @@ class Scheduler:
             return False
         self.waiting.popleft()
         cache.allocate(req, needed)
-        if req.num_prompt_cached_tokens is None:
-            req.num_prompt_cached_tokens = req.num_cached_tokens
-            cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
+        self._count_prompt_hits(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.transferring.append(req)
         self.new_pulls.append(req)
         return True
+
+    def _count_prompt_hits(self, req: Request) -> None:
+        """At a request's first admission: the prompt tokens its cache hit serves (reported, and
+        in the hit rate); a readmission after preemption does not count again."""
+        if req.num_prompt_cached_tokens is None:
+            req.num_prompt_cached_tokens = req.num_cached_tokens
+            self.cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
 
     def take_new_pulls(self) -> list[Request]:
         pulls, self.new_pulls = self.new_pulls, []

@@ -47,6 +47,11 @@ class _Pool:
         return candidates[next(self._turn) % len(candidates)]
 
 
+def _auth(request: Request) -> dict:
+    """The client's Authorization header, passed on to the instances (their --api-key)."""
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
 def _error(status: int, message: str, type_: str = "BadGatewayError", param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
 
@@ -90,7 +95,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI
             return _error(400, "the request body must be a JSON object", "BadRequestError")
         if "kv_transfer_params" in body:
             return _error(400, "kv_transfer_params are the router's to set", "BadRequestError", "kv_transfer_params")
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        headers = _auth(request)
         start = time.perf_counter()
         try:
             if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
@@ -118,7 +123,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI
     @app.get("/v1/models")
     async def models(request: Request):
         instance = decode.pick()
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        headers = _auth(request)
         try:
             async with session["s"].get(instance.url + "/v1/models", headers=headers) as r:
                 return Response(await r.read(), r.status, media_type=r.content_type)

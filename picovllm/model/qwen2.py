@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.attn = PagedAttention(self.num_heads, cfg.head_dim, self.num_kv_heads)
+        self.attn = PagedAttention(self.num_heads, cfg.head_dim, self.num_kv_heads, self.qkv_proj.first_kv_head)
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
         """hidden + attention(norm(hidden))"""

@@ -14,7 +14,7 @@ import torch
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import tp_broadcast
 from picovllm.distributed.kv_transfer import KVTransfer, NixlKVTransfer
-from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
+from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.kernels.prefill_attention import num_work_items
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
@@ -93,10 +93,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.k_cache, layer.v_cache = cache[0], cache[1]
-        if self.kv_role != "both":  # this rank's KV heads: [first, first + attn.num_kv_heads) of every layer
-            replicas = max(1, self.tp_size // self.model_cfg.num_key_value_heads)
-            first = get_tp_rank() // replicas * attn.num_kv_heads
-            self.kv_transfer = NixlKVTransfer(first, cuda_ipc=self.kv_transfer_backend == "auto")
+        if self.kv_role != "both":
+            self.kv_transfer = NixlKVTransfer(attn.first_kv_head, cuda_ipc=self.kv_transfer_backend == "auto")
             self.kv_transfer.register(self.kv_cache)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",

@@ -44,9 +44,10 @@ class AttentionMetadata(NamedTuple):
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, first_kv_head: int = 0):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.first_kv_head = first_kv_head  # its cache's heads: the model's [first, first + num_kv_heads)
         self.scale = head_dim**-0.5
         # Views into the BlockManager's pool, [num_blocks, block_size, num_kv_heads, head_dim];
         # bound by the model runner once the pool is allocated.

@@ -140,6 +140,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, tp // num_kv_heads)
         local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, local * tp, bias)
+        self.first_kv_head = self.tp_rank // self.kv_replicas * self.num_kv_heads  # (of the model's)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -147,7 +148,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id == "q":
             shard = loaded.narrow(0, self.tp_rank * q_size, q_size)
         else:  # this rank's KV heads: its own slice, or (replicated) the one head its queries read
-            shard = loaded.narrow(0, self.tp_rank // self.kv_replicas * kv_size, kv_size)
+            shard = loaded.narrow(0, self.first_kv_head * self.head_dim, kv_size)
         _copy_checked(param.data.narrow(0, offset, size), shard)
 
 
