@@ -114,10 +114,17 @@ def test_errors_models_health_and_nothing_held_afterwards(pd):
     assert httpx.get(router + "/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.get(router + "/health").status_code == 200
     before = _metrics(router)
-    list(_client(router).completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0, stream=True))
+    # 40 tokens, one SSE event a decode step: the router relays them in more than one chunk (a
+    # short answer may reach it in one read, with no gap to time)
+    stream = _client(router).completions.create(
+        model=MODEL, prompt="Hi", max_tokens=40, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    list(stream)
     m = _metrics(router)
     assert m['router_requests_total{outcome="ok"}'] == before.get('router_requests_total{outcome="ok"}', 0) + 1
     assert m['router_requests_total{outcome="refused"}'] >= 1  # (the bad temperature above)
+    first_bytes = "router_time_to_first_byte_seconds_count"
+    assert m[first_bytes] == before.get(first_bytes, 0) + 1
     assert m["router_inter_chunk_seconds_count"] > before.get("router_inter_chunk_seconds_count", 0)
     # every lease released by the decode instance's pulls; no request left on either side
     deadline = time.monotonic() + 5
