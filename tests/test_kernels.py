@@ -19,6 +19,7 @@ from picovllm.kernels.prefill_attention import prefill_attention_triton  # noqa:
 from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_triton  # noqa: E402
 from picovllm.kernels.triton_utils import next_pow2  # noqa: E402
+from picovllm.worker.model_runner import allocate_kv_pool  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -45,7 +46,8 @@ def test_rope_and_store(dtype):
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     slots[[2, 7]] = -1  # padding tokens
     slots = slots.to(DEV)
-    caches = [torch.zeros(blocks, bs, kv_heads, dim, dtype=dtype, device=DEV) for _ in range(4)]
+    _, layers = allocate_kv_pool(2, blocks, bs, kv_heads, dim, dtype, DEV)  # (the model runner's strided views)
+    caches = [*layers[0], *layers[1]]
     q_ref = rope_and_store_ref(q, k, v, cos, sin, caches[0], caches[1], slots)
     q_out = rope_and_store_triton(q, k, v, cos, sin, caches[2], caches[3], slots)
     _close(q_out, q_ref, dtype)
@@ -81,12 +83,12 @@ def _paged_batch(dtype, q_lens, prefix_lens, block_size, heads=6, kv_heads=2, di
     for i, n in enumerate(per_seq):
         tables[i, :n] = torch.tensor(perm[:n])
         perm = perm[n:]
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    pool, [(k_cache, v_cache)] = allocate_kv_pool(1, num_blocks, block_size, kv_heads, dim, dtype, DEV)
+    pool.copy_(torch.randn(pool.shape, generator=g))  # (the model runner's layout: strided views)
     query = torch.randn(sum(q_lens), heads, dim, generator=g).to(dtype)
     qsl = torch.tensor([0] + q_lens).cumsum(0)
     to = lambda t: t.to(DEV)  # noqa: E731
-    return to(query), to(k_cache), to(v_cache), to(tables), to(torch.tensor(ctx)), to(qsl), dim**-0.5
+    return to(query), k_cache, v_cache, to(tables), to(torch.tensor(ctx)), to(qsl), dim**-0.5
 
 
 @MASKED_LANES

@@ -29,6 +29,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
     from picovllm.engine.block_manager import BlockManager
     from picovllm.model.loader.model_loader import load_model, resolve_model
     from picovllm.worker.inputs import StepInputs, Uploader, build_eager
+    from picovllm.worker.model_runner import allocate_kv_pool
 
     torch.set_num_threads(1)
     init_distributed(world, rank, "gloo", f"tcp://127.0.0.1:{port}")
@@ -37,9 +38,11 @@ def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
     cpu = torch.device("cpu")
     model = load_model(cfg, path, torch.float32, cpu, 1024)
     layers = model.attention_layers()
-    for attn in layers:
-        shape = (64, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim)
-        attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+    _, views = allocate_kv_pool(
+        len(layers), 64, BLOCK_SIZE, layers[0].num_kv_heads, layers[0].head_dim, torch.float32, cpu
+    )
+    for attn, (k, v) in zip(layers, views):
+        attn.k_cache, attn.v_cache = k, v
     pool = BlockManager(64, BLOCK_SIZE)
     tables = [pool.allocate(-(-(len(p) + 1) // BLOCK_SIZE)) for p in PROMPTS]
     upload = Uploader(cpu)

@@ -11,9 +11,10 @@ and scattered by two kernels on a stream of their own), when the peer's handle o
 still carries the releases. A dead peer fails the pulls from it (their ids come back from poll as
 failed); nothing waits on it.
 
-The pool is the model runner's [layers, 2, num_blocks, block_size, kv_heads, head_dim] tensor:
-a block of one layer's K (or V) is contiguous, so a pull is one descriptor per layer, K/V and
-run of consecutive block ids on both sides.
+The pool is the model runner's [layers, 2, num_blocks, kv_heads, block_size, head_dim] tensor
+(worker/model_runner.py, allocate_kv_pool): a block of one layer's K (or V) is contiguous, and so
+is a run of its heads. A pull is one descriptor per layer, K/V and run of consecutive block ids on
+both sides; one that reshards heads (other tensor-parallel sizes) is one per layer, K/V and block.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class NixlKVTransfer(KVTransfer):
     """One rank's pool. Its agent_info is {"ranks": [this rank's]}; the executor of a
     tensor-parallel instance joins its ranks' (Executor.kv_transfer). A pull from such a list
     takes this rank's KV heads from the ranks that hold them: whole blocks from a rank with the
-    same heads, else each token's run of shared heads (rank r holds heads [first_head,
+    same heads, else each block's run of shared heads (rank r holds heads [first_head,
     first_head + num_heads) of every layer; with more ranks than KV heads a head is on several
     ranks, and the first is read)."""
 
@@ -121,7 +122,7 @@ class NixlKVTransfer(KVTransfer):
         return self._info
 
     def _describe(self) -> dict:
-        layers, _, blocks, block_size, heads, head_dim = self.kv.shape
+        layers, _, blocks, heads, block_size, head_dim = self.kv.shape
         return {
             "agent": self.name,
             "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
@@ -193,7 +194,7 @@ class NixlKVTransfer(KVTransfer):
     def _descs(self, r: dict, lo: int, hi: int, remote_blocks, local_blocks) -> tuple[np.ndarray, np.ndarray]:
         """[N, 3] (address, bytes, device) on both sides: heads [lo, hi) of every layer's K and V of
         the blocks; one descriptor per run of consecutive blocks when both hold just those heads,
-        else one per token."""
+        else one per block."""
         mine = self.rank_info()
         runs = np.array(_runs(remote_blocks, local_blocks), dtype=np.int64).reshape(-1, 3)
         planes = np.arange(2 * mine["num_layers"], dtype=np.int64)[:, None]
@@ -202,18 +203,15 @@ class NixlKVTransfer(KVTransfer):
         out = []
         for info, col in ((mine, 1), (r, 0)):  # (columns of runs: remote start, local start, count)
             base, nblocks = info["base"], info["num_blocks"]
-            token = info["num_heads"] * info["head_bytes"]
-            head_offset = (lo - info["first_head"]) * info["head_bytes"]
-            block = token * info["block_size"]
+            head = info["head_bytes"] * info["block_size"]  # (one head's tokens of a block)
+            block = head * info["num_heads"]
             if whole:
                 addr = base + (planes * nblocks + runs[None, :, col]) * block
                 size = np.broadcast_to(runs[None, :, 2] * block, addr.shape)
-            else:  # each token of each block: its run of heads
+            else:  # each block: its run of heads
                 blocks = np.concatenate([np.arange(s, s + n) for s, n in zip(runs[:, col], runs[:, 2])])
-                t = np.arange(info["block_size"], dtype=np.int64)
-                addr = base + ((planes[:, :, None] * nblocks + blocks[None, :, None]) * info["block_size"] + t) * token
-                addr = addr + head_offset
-                size = np.full(addr.shape, (hi - lo) * info["head_bytes"])
+                addr = base + (planes * nblocks + blocks[None, :]) * block + (lo - info["first_head"]) * head
+                size = np.full(addr.shape, (hi - lo) * head)
             device = np.full(addr.size, info["device_id"], dtype=np.int64)
             out.append(np.stack([addr.ravel(), np.ravel(size), device], axis=1).astype(np.uint64))
         return out[0], out[1]
@@ -240,8 +238,8 @@ class NixlKVTransfer(KVTransfer):
         with torch.cuda.stream(self.stream):
             src = torch.tensor(remote_blocks, device=remote_kv.device)
             dst = torch.tensor(local_blocks, device=device)
-            gathered = remote_kv.index_select(2, src)[:, :, :, :, theirs].to(device, non_blocking=True)
-            self.kv[:, :, :, :, mine].index_copy_(2, dst, gathered)
+            gathered = remote_kv.index_select(2, src)[:, :, :, theirs].to(device, non_blocking=True)
+            self.kv[:, :, :, mine].index_copy_(2, dst, gathered)
             done = torch.cuda.Event()
             done.record(self.stream)
         self.copies[pull_id] = done

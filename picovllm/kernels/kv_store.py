@@ -16,12 +16,13 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
-    num_kv_heads, head_dim]; slot_mapping: [num_tokens], slot = block * block_size + offset,
-    -1 marks a padding token whose K/V is not stored."""
+    num_kv_heads, head_dim] (any strides); slot_mapping: [num_tokens], slot = block * block_size +
+    offset, -1 marks a padding token whose K/V is not stored."""
     keep = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[block, offset] = key[keep]
+    v_cache[block, offset] = value[keep]
 
 
 def rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:

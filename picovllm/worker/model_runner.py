@@ -26,6 +26,18 @@ logger = logging.getLogger("picovllm")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
 
 
+def allocate_kv_pool(
+    num_layers: int, num_blocks: int, block_size: int, num_heads: int, head_dim: int, dtype, device
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A KV pool, [layers, 2 (K, V), num_blocks, kv_heads, block_size, head_dim], and each layer's
+    (K, V) as the attention kernels index them, [num_blocks, block_size, kv_heads, head_dim]
+    (strided views of it). A block of one layer's K (or V) is contiguous, and within it each
+    head's tokens: a transfer moves a run of blocks, or a run of heads of a block, as one piece.
+    Zeros, not empty: padded reads of never-written slots must be finite for masked attention."""
+    pool = torch.zeros(num_layers, 2, num_blocks, num_heads, block_size, head_dim, dtype=dtype, device=device)
+    return pool, [(layer[0].transpose(1, 2), layer[1].transpose(1, 2)) for layer in pool]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -83,16 +95,14 @@ class ModelRunner:
         return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """This rank's KV pool, bound to the model's attention layers: one tensor
-        [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], so that a layer's K (or V)
-        cache is a contiguous [num_blocks, block_size, heads, head_dim] view. Zeros, not empty:
-        padded reads of never-written slots must be finite for masked attention."""
+        """This rank's KV pool (allocate_kv_pool), bound to the model's attention layers."""
         layers = self.model.attention_layers()
         attn = layers[0]
-        shape = (len(layers), 2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for layer, cache in zip(layers, self.kv_cache, strict=True):
-            layer.k_cache, layer.v_cache = cache[0], cache[1]
+        self.kv_cache, views = allocate_kv_pool(
+            len(layers), num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype, self.device
+        )
+        for layer, (k, v) in zip(layers, views, strict=True):
+            layer.k_cache, layer.v_cache = k, v
         if self.kv_role != "both":
             self.kv_transfer = NixlKVTransfer(attn.first_kv_head, cuda_ipc=self.kv_transfer_backend == "auto")
             self.kv_transfer.register(self.kv_cache)
