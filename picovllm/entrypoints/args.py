@@ -111,7 +111,8 @@ def engine_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=fraction,
         default=0.9,
-        help="fraction of GPU memory for weights, activations and KV cache",
+        help="this instance's fraction of GPU memory, for weights, activations and KV cache "
+        "(instances sharing a GPU: fractions that add up to at most 1)",
     )
     g.add_argument(
         "--kv-cache-memory",

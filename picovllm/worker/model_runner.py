@@ -81,9 +81,10 @@ class ModelRunner:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            # headroom for activations: a tenth of what is left, at least 1 GiB
-            budget = total * engine_cfg.gpu_memory_utilization - (total - free)
-            budget -= max(1 << 30, 0.1 * budget)
+            # (vLLM's meaning: this instance's share of the GPU, so that instances can share one;
+            # what another process holds counts only through what is free)
+            budget = min(total * engine_cfg.gpu_memory_utilization - torch.cuda.memory_reserved(self.device), free)
+            budget -= max(1 << 30, 0.1 * budget)  # headroom: activations, the CUDA context
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         blocks = int(budget // self.kv_block_bytes())
