@@ -84,6 +84,10 @@ def test_completions_through_the_router_equal_the_colocated_server(pd):
     )
     m = _metrics(decode)
     assert m["picovllm:kv_transfers_done"] >= 3 * len(PROMPTS) and m["picovllm:kv_transfers_failed"] == 0
+    # the pulls' time histogram: every completed pull counted once, under 10 s (loopback)
+    assert m["picovllm:kv_transfer_time_seconds_count"] == m["picovllm:kv_transfers_done"]
+    assert m['picovllm:kv_transfer_time_seconds_bucket{le="10.0"}'] == m["picovllm:kv_transfers_done"]
+    assert 0 < m["picovllm:kv_transfer_time_seconds_sum"] < 10 * m["picovllm:kv_transfers_done"]
 
 
 def test_chat_through_the_router_streamed_and_not(pd):

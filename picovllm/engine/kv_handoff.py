@@ -23,6 +23,7 @@ request being pulled holds the blocks of its whole prompt.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -47,6 +48,8 @@ class KVHandoff:
         self.started: dict[str, float] = {}  # pull id -> when it started
         self.block_bytes = block_bytes  # one block, every layer's K and V
         self.metrics = dict.fromkeys(METRICS, 0)
+        self.transfer_time = [0] * (len(TRANSFER_TIME_BUCKETS) + 1)  # completed pulls per bucket (last: +Inf)
+        self.transfer_time_sum = 0.0
 
     # ---- prefill side -----------------------------------------------------------------------
 
@@ -112,7 +115,10 @@ class KVHandoff:
         done, failed = self.transfer.poll()
         for rid in done + list(failed):
             req = self.pulling.pop(rid)
-            self.metrics["kv_transfer_seconds"] += time.perf_counter() - self.started.pop(rid)
+            seconds = time.perf_counter() - self.started.pop(rid)
+            if rid not in failed:
+                self.transfer_time[bisect.bisect_left(TRANSFER_TIME_BUCKETS, seconds)] += 1
+                self.transfer_time_sum += seconds
             self._release(req)
             self.metrics["kv_transfers_failed" if rid in failed else "kv_transfers_done"] += 1
             if rid in self.aborted:
@@ -146,9 +152,17 @@ class KVHandoff:
     def held_blocks(self) -> list[list[int]]:
         return [blocks for blocks, _ in self.leases.values()]
 
-    def get_metrics(self) -> dict[str, int]:
+    def get_metrics(self) -> dict:
+        """METRICS and GAUGES by name, and the completed pulls' times: kv_transfer_time_buckets
+        (counts per TRANSFER_TIME_BUCKETS bucket, then above the last) and kv_transfer_time_sum."""
         held = sum(len(b) for b in self.held_blocks())
-        return {**self.metrics, **self.transfer.stats(), "kv_blocks_held_for_pickup": held}
+        return {
+            **self.metrics,
+            **self.transfer.stats(),
+            "kv_blocks_held_for_pickup": held,
+            "kv_transfer_time_buckets": list(self.transfer_time),
+            "kv_transfer_time_sum": self.transfer_time_sum,
+        }
 
 
 METRICS = {  # LLMEngine.get_metrics' keys of a prefill or decode instance, and what they count
@@ -157,11 +171,11 @@ METRICS = {  # LLMEngine.get_metrics' keys of a prefill or decode instance, and 
     "kv_transfers_failed": "KV pulls failed; their requests prefilled locally (decode instance).",
     "kv_transfer_blocks": "KV blocks pulled (decode instance).",
     "kv_transfer_bytes": "KV bytes pulled (decode instance).",
-    "kv_transfer_seconds": "Time from a pull's start to its end, summed over pulls (decode instance).",
     "kv_leases_expired": "Prompts whose KV no decode instance pulled in time (prefill instance).",
     "kv_transfers_cuda_ipc": "KV pulls copied through CUDA IPC, not NIXL (decode instance).",
 }
 GAUGES = {"kv_blocks_held_for_pickup": "KV blocks held for decode instances to pull (prefill instance)."}
+TRANSFER_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def check_kv_transfer_params(kv, role: str, block_size: int, ids: list[int], n: int) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
 
-from picovllm.engine.kv_handoff import GAUGES, METRICS
+from picovllm.engine.kv_handoff import GAUGES, METRICS, TRANSFER_TIME_BUCKETS
 from picovllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -57,6 +59,8 @@ class ServerMetrics:
         self.kv_transfer = {  # (a prefill or decode instance's; engine/kv_handoff.py)
             name: Gauge(f"picovllm:{name}", help_, registry=r) for name, help_ in {**METRICS, **GAUGES}.items()
         }
+        self.transfer_time = _TransferTime()
+        r.register(self.transfer_time)
         self.e2e = Histogram(
             "picovllm:e2e_request_latency_seconds",
             "Request latency, arrival to last token.",
@@ -74,9 +78,31 @@ class ServerMetrics:
         for name, gauge in self.kv_transfer.items():
             if name in m:
                 gauge.set(m[name])
+        if "kv_transfer_time_buckets" in m:
+            self.transfer_time.counts, self.transfer_time.sum = m["kv_transfer_time_buckets"], m["kv_transfer_time_sum"]
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
+
+
+class _TransferTime:
+    """picovllm:kv_transfer_time_seconds, the engine's histogram of completed KV pulls (kept by the
+    engine, engine/kv_handoff.py: the server shows its last counts)."""
+
+    def __init__(self):
+        self.counts: list[int] | None = None
+        self.sum = 0.0
+
+    def collect(self):
+        if self.counts is None:
+            return
+        bounds = [str(b) for b in TRANSFER_TIME_BUCKETS] + ["+Inf"]
+        yield HistogramMetricFamily(
+            "picovllm:kv_transfer_time_seconds",
+            "Time from a KV pull's start to its end, completed pulls (decode instance).",
+            buckets=list(zip(bounds, itertools.accumulate(self.counts))),
+            sum_value=self.sum,
+        )
 
 
 class RequestTracker:
