@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The GPU run: the CUDA tests, the standard benchmarks, and a short table at the end.
 # Usage, from the repository root on a CUDA machine: bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix serve (default: all of them; each fits a 10-minute call)
+#   stages: tests latency throughput prefix serve pd (default: all of them; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
 #      HF_MODES (default "eager compiled": transformers at batch 1 beside the latency run),
 #      TREES="A B": each benchmark runs once per source tree, taking turns (an A/B of two checkouts).
-# Packages the machine lacks (the server's) are installed from wheels in .whl/ when there are any.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+# Packages the machine lacks (the server's, the client's, NIXL's) are installed from wheels in .whl*/ folders
+# when there are any, each folder into /tmp/site/FOLDER, which stays while the machine does: a call carries
+# at most 64 MiB, so NIXL's wheel (57 MB) comes in a call of its own.
+for d in .whl*/; do
+  if ls "$d"*.whl >/dev/null 2>&1; then
+    name=${d%/}; python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "/tmp/site/${name#.}" \
+        "$d"*.whl || exit 1
+  fi
+done
+for d in /tmp/site/*/; do [ -d "$d" ] && PYTHONPATH=${d%/}${PYTHONPATH:+:$PYTHONPATH}; done; export PYTHONPATH
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
@@ -39,6 +44,11 @@ for stage in ${*:-tests latency throughput prefix serve}; do
     serve) bench offline64 latency --batch-sizes 64 --input-len 512 --output-len 128
            bench serve serve --concurrency 64 --input-len 512 --output-len 128 --max-num-batched-tokens 128 \
                --max-num-seqs 64 --save-dir "$OUT/serve" ;;
+    pd) export UCX_TLS=${UCX_TLS:-tcp,cuda_copy} UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}  # (NIXL between processes)
+        PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PICOVLLM_TEST_DEVICE=cuda PICOVLLM_TEST_DTYPE=bfloat16 python3 -m pytest \
+            -p no:cacheprovider ${PD_TESTS:-tests/test_disaggregation.py tests/test_router.py} 2>&1 \
+            | grep -v "NIXL INFO" | tee "$OUT/pd_tests.log" | tail -5
+        bench pd pd --num-prompts ${PD_PROMPTS:-64} --concurrency 16 --input-len 1024 --output-len 128 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
@@ -58,6 +68,14 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
             for x in r["results"]:
                 print(f"{name:20s} {x['scenario'][:2]} warm TTFT x{x['warm_ttft_speedup']:.2f}, "
                       f"wall on vs off {x['wall_on_vs_off']:+.1%}, hit rate {x['hit_rate_on']:.0%}")
+        elif r["benchmark"] == "pd":
+            for path, t in r["transfer"].items():
+                print(f"{name:20s} {t['transfer_len']}-token KV over {path}: {t['transfer_ms']:.2f} ms, "
+                      f"{t['transfer_gb_s']:.2f} GB/s, {t['transfer_of_prefill']:.1%} of prefill")
+            for setup in ("colocated", "pd"):
+                s = r[setup]
+                print(f"{name:20s} {setup:9s} TTFT p50 {s['ttft_ms']['p50']:.1f} ms, "
+                      f"ITL p50 {s['itl_ms']['p50']:.2f} p99 {s['itl_ms']['p99']:.2f} ms")
         elif r["benchmark"] == "serve":
             print(f"{name:20s} {r['output_tok_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms, "
                   f"ITL p50 {r['itl_ms']['p50']:.2f} p99 {r['itl_ms']['p99']:.2f} ms")

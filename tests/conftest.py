@@ -27,15 +27,17 @@ def tiny_llama(tmp_path_factory):
     return path, build_model(path, "llama", tie=False, bias=False, seed=1)
 
 
-# The suite runs on CPU (CI); scripts/gpu_check.sh runs it again with the engine on CUDA.
+# The suite runs on CPU (CI); scripts/gpu_check.sh runs it again with the engine on CUDA (and the
+# engine tests that compare engines with each other, not with transformers, in bf16 too).
 TEST_DEVICE = os.environ.get("PICOVLLM_TEST_DEVICE", "cpu")
+TEST_DTYPE = os.environ.get("PICOVLLM_TEST_DTYPE", "float32")
 
 
 def engine_args(path: str, **kwargs) -> dict:
-    """The tests' engine options: fp32, a 16 MiB KV cache, on TEST_DEVICE."""
+    """The tests' engine options: TEST_DTYPE (fp32 unless set), a 16 MiB KV cache, on TEST_DEVICE."""
     return {
         "model": path,
-        "dtype": "float32",
+        "dtype": TEST_DTYPE,
         "device": TEST_DEVICE,
         "kv_cache_memory": 16 << 20,
         "gpu_memory_utilization": 0.3,

@@ -23,6 +23,8 @@ import torch
 from picovllm.bench.common import print_json, print_table
 from picovllm.bench.serve import run_serve_bench
 
+_PULL_SECONDS = "picovllm:kv_transfer_time_seconds_sum"
+
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
@@ -42,14 +44,18 @@ def _servers(engine_kwargs: dict, roles: list[str]):
     gpus = torch.cuda.device_count() if engine_kwargs.get("device", "auto") in ("auto", "cuda") else 0
     share = 1 if gpus >= len(roles) else len(roles)
     servers = []
-    for i, role in enumerate(roles):
-        kwargs = {**engine_kwargs, "kv_role": role}
-        kwargs["gpu_memory_utilization"] = engine_kwargs.get("gpu_memory_utilization", 0.9) / share
-        if gpus >= len(roles) > 1:
-            kwargs["device"] = f"cuda:{i}"
-        engine = EngineProcess(kwargs)
-        url, stop = serve_in_thread(build_app(engine, "bench"))
-        servers.append((url, stop, engine))
+    try:
+        for i, role in enumerate(roles):
+            kwargs = {**engine_kwargs, "kv_role": role}
+            kwargs["gpu_memory_utilization"] = engine_kwargs.get("gpu_memory_utilization", 0.9) / share
+            if gpus >= len(roles) > 1:
+                kwargs["device"] = f"cuda:{i}"
+            engine = EngineProcess(kwargs)
+            url, stop = serve_in_thread(build_app(engine, "bench"))
+            servers.append((url, stop, engine))
+    except BaseException:  # (one failed to start: the others must not outlive the benchmark)
+        _stop(servers)
+        raise
     return servers
 
 
@@ -89,7 +95,7 @@ def _transfer(router: str, prefill: str, decode: str, length: int, vocab: int, s
     before = scrape_metrics(decode)
     httpx.post(router + "/v1/completions", json=body, timeout=120).raise_for_status()
     after = scrape_metrics(decode)
-    seconds = after["picovllm:kv_transfer_seconds"] - before["picovllm:kv_transfer_seconds"]
+    seconds = after[_PULL_SECONDS] - before.get(_PULL_SECONDS, 0.0)
     nbytes = after["picovllm:kv_transfer_bytes"] - before["picovllm:kv_transfer_bytes"]
     return {
         "transfer_len": length,
@@ -99,6 +105,20 @@ def _transfer(router: str, prefill: str, decode: str, length: int, vocab: int, s
         "prefill_ms": prefill_s * 1e3,
         "transfer_of_prefill": seconds / prefill_s,
     }
+
+
+def _transfer_line(path: str, t: dict) -> str:
+    return (
+        f"one {t['transfer_len']}-token prompt over {path}: {t['transfer_mb']:.1f} MB pulled in "
+        f"{t['transfer_ms']:.2f} ms ({t['transfer_gb_s']:.2f} GB/s), "
+        f"{t['transfer_of_prefill']:.1%} of its {t['prefill_ms']:.1f} ms prefill"
+    )
+
+
+def _vocab_size(engine_kwargs: dict) -> int:
+    from picovllm.model.loader.model_loader import resolve_model
+
+    return resolve_model(engine_kwargs["model"])[0].vocab_size
 
 
 def run_pd_bench(
@@ -112,13 +132,7 @@ def run_pd_bench(
 ) -> dict:
 
     workload = dict(num_prompts=num_prompts, concurrency=concurrency, input_len=input_len, output_len=output_len)
-    _say("bench pd: the colocated server")
-    servers = _servers(engine_kwargs, ["both"])
-    vocab = min(30000, servers[0][2].vocab_size)
-    try:
-        colocated = run_serve_bench(servers[0][0], "bench", vocab_size=vocab, seed=seed, **workload)
-    finally:
-        _stop(servers)
+    vocab = min(30000, _vocab_size(engine_kwargs))
     transfers = {}
     on_gpu = torch.cuda.is_available() and engine_kwargs.get("device", "auto") != "cpu"
     for backend in ("auto", "nixl") if on_gpu else ("nixl",):  # (auto: CUDA IPC between GPU pools)
@@ -128,6 +142,13 @@ def run_pd_bench(
             transfer = _transfer(router, prefill, decode, transfer_len, vocab, seed)
             path = "cuda_ipc" if scrape_metrics(decode)["picovllm:kv_transfers_cuda_ipc"] else "nixl"
             transfers[path] = transfer
+        _say(_transfer_line(path, transfer))
+    _say("bench pd: the colocated server")
+    servers = _servers(engine_kwargs, ["both"])
+    try:
+        colocated = run_serve_bench(servers[0][0], "bench", vocab_size=vocab, seed=seed, **workload)
+    finally:
+        _stop(servers)
     _say("bench pd: prefill and decode instances behind the router")
     with _pd_servers(engine_kwargs) as (router, prefill, decode):
         before_r, before_d = scrape_metrics(router), scrape_metrics(decode)
@@ -141,7 +162,7 @@ def run_pd_bench(
     prefills = max(delta(after_r, before_r, "router_prefill_seconds_count"), 1)
     split = {
         "prefill_ms": 1e3 * delta(after_r, before_r, "router_prefill_seconds_sum") / prefills,
-        "transfer_ms": 1e3 * delta(after_d, before_d, "picovllm:kv_transfer_seconds") / pulls,
+        "transfer_ms": 1e3 * delta(after_d, before_d, _PULL_SECONDS) / pulls,
     }
     split["rest_ms"] = pd["ttft_ms"]["mean"] - split["prefill_ms"] - split["transfer_ms"]
     rows = [
@@ -166,11 +187,7 @@ def run_pd_bench(
         f"{split['transfer_ms']:.1f} ms + first decode and hops {split['rest_ms']:.1f} ms"
     )
     for path, t in transfers.items():
-        print(
-            f"one {transfer_len}-token prompt over {path}: {t['transfer_mb']:.1f} MB pulled in "
-            f"{t['transfer_ms']:.2f} ms "
-            f"({t['transfer_gb_s']:.2f} GB/s), {t['transfer_of_prefill']:.1%} of its {t['prefill_ms']:.1f} ms prefill"
-        )
+        print(_transfer_line(path, t))
     result = {"colocated": colocated, "pd": pd, "ttft_split_ms": split, "transfer": transfers, **workload}
     print_json("pd", {"model": engine_kwargs.get("model"), **result})
     return result
