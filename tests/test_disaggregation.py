@@ -117,6 +117,29 @@ def test_an_unpulled_lease_expires_and_frees_the_blocks(tiny_qwen):
     prefill.shutdown()
 
 
+def test_held_prompts_bound_a_prefill_instance_a_new_prompt_waits_for_a_lease_to_end(tiny_qwen):
+    """Back-pressure: prompts awaiting pickup hold their blocks; when they fill the pool, the next
+    prompt waits (it neither fails nor takes held blocks) until a lease ends."""
+    prefill = _engine(
+        tiny_qwen[0], kv_role="prefill", kv_lease_s=0.5, enable_prefix_caching=False, num_gpu_blocks_override=8
+    )
+    first = SamplingParams(max_tokens=1)
+    held = _run(prefill, [(f"h{i}", PROMPTS[3][:-1] + [i], first, {"do_remote_decode": True}) for i in range(2)])
+    assert prefill.block_manager.num_free_blocks == 2 and len(held) == 2
+    prefill.add_validated_request("next", None, PROMPTS[3], first, {"do_remote_decode": True})
+    start = time.monotonic()
+    while time.monotonic() - start < 0.3:  # (the leases still run)
+        assert prefill.step() == []
+        assert prefill.get_metrics()["num_waiting"] == 1
+        prefill.check_invariants()
+    out = _run(prefill, [])
+    assert set(out) == {"next"} and out["next"].kv_transfer_params["remote_num_tokens"] == len(PROMPTS[3])
+    assert prefill.get_metrics()["kv_leases_expired"] >= 1  # (what let it in)
+    _settle(prefill)
+    assert prefill.get_metrics()["kv_leases_expired"] == 3 and prefill.block_manager.num_free_blocks == 8
+    prefill.shutdown()
+
+
 def test_a_pull_from_a_gone_prefill_instance_is_prefilled_here(tiny_qwen, colocated):
     prefill = _engine(tiny_qwen[0], kv_role="prefill")
     decode = _engine(tiny_qwen[0], kv_role="decode")

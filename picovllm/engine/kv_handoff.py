@@ -6,6 +6,8 @@ max_tokens 1) as any other; when it finishes, its prompt's blocks stay held unde
 its output's kv_transfer_params say where they are: the pool's agent, the block ids, the number of
 tokens. The lease ends when the decode instance releases the request (after its pull, or when it
 gives up on it), or after kv_lease_s: then the blocks are freed (they stay in the prefix cache).
+Held blocks are the bound on what awaits pickup: when they fill the pool, new prompts wait for a
+lease to end (back-pressure), and nothing else is held.
 
 A decode instance admits a request carrying those parameters (Scheduler._admit_pull) with blocks
 for its whole prompt, its own prefix cache first; the blocks its cache lacks, up to the prompt's
