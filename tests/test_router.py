@@ -227,16 +227,16 @@ def test_bench_pd_runs_both_setups_and_times_the_transfer(tiny_qwen):
 
 
 @pytest.mark.parametrize(
-    "arch,heads,kv_heads,tp_p,tp_d",
+    "arch,heads,kv_heads,tp_p,tp_d,mode",
     [
-        ("qwen2", 6, 2, 2, 1),  # the one decode rank reads a head from each prefill rank, token by token
-        ("qwen2", 6, 2, 1, 2),  # each decode rank reads its head from the one prefill rank, token by token
-        ("qwen2", 6, 2, 2, 2),  # rank to rank, whole blocks
-        ("llama", 4, 1, 1, 2),  # one KV head, replicated on both decode ranks
-        ("llama", 4, 1, 2, 1),  # replicated on both prefill ranks: the first one is read
+        ("qwen2", 6, 2, 2, 1, "async"),  # the one decode rank reads a head from each prefill rank, block by block
+        ("qwen2", 6, 2, 1, 2, "sync"),  # each decode rank reads its head from the one prefill rank, block by block
+        ("qwen2", 6, 2, 2, 2, "async"),  # rank to rank, runs of whole blocks
+        ("llama", 4, 1, 1, 2, "sync"),  # one KV head, replicated on both decode ranks
+        ("llama", 4, 1, 2, 1, "async"),  # replicated on both prefill ranks: the first one is read
     ],
 )
-def test_prefill_and_decode_with_other_tensor_parallel_sizes(tmp_path, arch, heads, kv_heads, tp_p, tp_d):
+def test_prefill_and_decode_with_other_tensor_parallel_sizes(tmp_path, arch, heads, kv_heads, tp_p, tp_d, mode):
     """Heterogeneous TP: each decode rank pulls exactly its KV heads from the prefill ranks that
     hold them; the completions are a colocated tp=1 engine's."""
     from tiny_models import build_model
@@ -249,8 +249,8 @@ def test_prefill_and_decode_with_other_tensor_parallel_sizes(tmp_path, arch, hea
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     servers = [
-        _server(path, kv_role="prefill", tensor_parallel_size=tp_p),
-        _server(path, kv_role="decode", tensor_parallel_size=tp_d),
+        _server(path, kv_role="prefill", tensor_parallel_size=tp_p, kv_transfer_mode=mode),
+        _server(path, kv_role="decode", tensor_parallel_size=tp_d, kv_transfer_mode=mode),
     ]
     router, stop_router = serve_in_thread(build_router_app([servers[0][0]], [servers[1][0]]))
     try:
