@@ -177,6 +177,12 @@ class EngineConfig:
     # "auto": a decode instance copies through CUDA IPC from a prefill instance whose pool is on a
     # GPU of the same machine, else over NIXL; "nixl": always over NIXL
     kv_transfer_backend: str = "auto"
+    # Bytes of host memory (per rank) for a second tier of the KV cache (engine/prefix_cache.py):
+    # blocks the prefix cache evicts from the GPU are demoted there and promoted back on a hit;
+    # 0: off. preemption_mode "swap" (vLLM's) moves a preempted request's blocks there and back
+    # instead of recomputing them ("recompute", the default).
+    kv_offload_memory: int = 0
+    preemption_mode: str = "recompute"
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -209,6 +215,20 @@ class EngineConfig:
         need(self.kv_transfer_mode in ("async", "sync"), "kv_transfer_mode", "must be 'async' or 'sync'")
         need(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
         need(self.kv_transfer_backend in ("auto", "nixl"), "kv_transfer_backend", "must be 'auto' or 'nixl'")
+        need(
+            isinstance(self.kv_offload_memory, int) and self.kv_offload_memory >= 0, "kv_offload_memory", "must be >= 0"
+        )
+        need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be 'recompute' or 'swap'")
+        need(
+            self.preemption_mode == "recompute" or self.kv_offload_memory > 0,
+            "preemption_mode",
+            "'swap' needs host memory to swap to (kv_offload_memory > 0)",
+        )
+        need(
+            self.kv_offload_memory == 0 or self.kv_role == "both",
+            "kv_offload_memory",
+            "is not supported on a prefill or decode instance (kv_role 'both' only)",
+        )
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

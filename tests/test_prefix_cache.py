@@ -16,6 +16,14 @@ from picovllm.engine.request import Request
 BS = 4
 
 
+def _evict(tree, n):
+    """Drop the GPU policy's victims until n GPU blocks are freed (no host tier)."""
+    freed = []
+    while len(freed) < n and (node := tree.gpu_victim()) is not None:
+        freed += tree.drop_gpu(node)[0]
+    return freed
+
+
 def _tree_with(seq, blocks):
     tree = RadixTree(BS)
     tree.insert(seq, blocks)
@@ -73,10 +81,10 @@ def test_evict_lru_leaves_only_unlocked():
     tree.match_prefix([1] * 8)  # a is now the most recently used
     tree.lock(b, +1)
     assert tree.num_evictable_blocks == 4
-    assert sorted(tree.evict(1)) == [30, 31]  # c: least recently used unlocked leaf, whole node
-    assert sorted(tree.evict(10)) == [10, 11]  # b is locked
+    assert sorted(_evict(tree, 1)) == [30, 31]  # c: least recently used unlocked leaf, whole node
+    assert sorted(_evict(tree, 10)) == [10, 11]  # b is locked
     tree.lock(b, -1)
-    assert sorted(tree.evict(10)) == [20, 21] and tree.num_blocks == 0
+    assert sorted(_evict(tree, 10)) == [20, 21] and tree.num_blocks == 0
     tree.check_invariants()
 
 
@@ -84,7 +92,7 @@ def test_evicting_a_leaf_exposes_its_parent():
     tree = RadixTree(BS)
     tree.insert(list(range(8)), [1, 2])
     tree.insert(list(range(4)) + [9, 9, 9, 9], [1, 3])  # splits at 4: parent [0,4) holds block 1
-    assert sorted(tree.evict(3)) == [1, 2, 3] and tree.num_blocks == 0
+    assert sorted(_evict(tree, 3)) == [1, 2, 3] and tree.num_blocks == 0
 
 
 def _req(tokens, rid="r"):
@@ -193,14 +201,27 @@ def test_same_step_requests_share_the_prefix(llms):
 
 
 @pytest.mark.parametrize(
-    "seed,budget,async_scheduling", [(1, None, False), (2, None, False), (3, 7, False), (4, None, True), (5, 7, True)]
+    "seed,budget,async_scheduling,offload,preemption",
+    [
+        (1, None, False, 0, "recompute"),
+        (2, None, False, 0, "recompute"),
+        (3, 7, False, 0, "recompute"),
+        (4, None, True, 0, "recompute"),
+        (5, 7, True, 0, "recompute"),
+        (6, None, False, 40, "recompute"),  # a host tier of 40 blocks under the 24 GPU blocks
+        (7, 7, True, 40, "swap"),
+        (8, None, False, 12, "swap"),  # a host tier too small for everything: it evicts in turn
+    ],
 )
-def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_scheduling):
+def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_scheduling, offload, preemption):
     """Shared prefixes diverging anywhere, arrivals in the same and in different steps, aborts,
     preemption and a pool small enough to force eviction; invariants after every step; outputs
     equal to a cache-free engine; every block free after reset_prefix_cache(). budget 7: prompts
     are prefilled in chunks of at most 7 tokens, mixed with decodes. async_scheduling: steps
-    launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due."""
+    launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due.
+    offload: host blocks under the GPU pool (demotions and promotions, the host copies checked
+    against their GPU blocks after every step); swap: preempted requests swap to them."""
+    block_bytes = 2 * 3 * 4 * 2 * 16 * 4  # (tiny_qwen: K and V of 3 layers, 4 tokens of 2 fp32 heads of 16)
     llm = make_llm(
         tiny_qwen[0],
         skip_tokenizer_init=True,
@@ -210,6 +231,8 @@ def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_schedu
         max_num_seqs=5,
         max_num_batched_tokens=budget,
         async_scheduling=async_scheduling,
+        kv_offload_memory=offload * block_bytes,
+        preemption_mode=preemption,
     )
     engine = llm.llm_engine
     rng = random.Random(seed)
@@ -240,6 +263,11 @@ def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_schedu
     assert engine.reset_prefix_cache()
     assert engine.block_manager.num_free_blocks == 24
     assert (engine.num_launched_ahead > 0) == async_scheduling
+    if offload:
+        assert engine.block_manager.host.num_blocks == offload == engine.block_manager.host.num_free
+        assert metrics["kv_offload_demoted_blocks"] > 0 and metrics["kv_offload_promoted_blocks"] > 0
+        assert 0 < metrics["prefix_cache_host_hit_tokens"] <= metrics["prefix_cache_hit_tokens"]
+    assert (metrics.get("num_swapped_out", 0) > 0) == (preemption == "swap")
 
 
 def test_debug_flag_checks_invariants_every_step(tiny_qwen, monkeypatch):
@@ -248,6 +276,6 @@ def test_debug_flag_checks_invariants_every_step(tiny_qwen, monkeypatch):
     engine = llm.llm_engine
     assert engine.debug_invariants
     calls = []
-    monkeypatch.setattr(engine.scheduler.cache, "check_invariants", lambda live, held: calls.append(len(live)))
+    monkeypatch.setattr(engine.scheduler.cache, "check_invariants", lambda live, *_: calls.append(len(live)))
     llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(calls) == 3

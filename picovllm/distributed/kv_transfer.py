@@ -196,7 +196,7 @@ class NixlKVTransfer(KVTransfer):
         the blocks; one descriptor per run of consecutive blocks when both hold just those heads,
         else one per block."""
         mine = self.rank_info()
-        runs = np.array(_runs(remote_blocks, local_blocks), dtype=np.int64).reshape(-1, 3)
+        runs = np.array(block_runs(remote_blocks, local_blocks), dtype=np.int64).reshape(-1, 3)
         planes = np.arange(2 * mine["num_layers"], dtype=np.int64)[:, None]
 
         whole = mine["num_heads"] == r["num_heads"] == hi - lo
@@ -316,7 +316,7 @@ def _shape(info: dict) -> dict:
     return {k: info[k] for k in ("num_layers", "num_heads", "head_bytes", "block_size")}
 
 
-def _runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
+def block_runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
     """(remote start, local start, count) of the runs where both sides' block ids go up by one."""
     runs: list[list[int]] = []
     for r, lo in zip(remote, local, strict=True):

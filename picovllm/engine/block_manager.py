@@ -1,13 +1,15 @@
-"""The paged KV cache's accounting: which blocks are free, and how many holders each has. The
-blocks themselves (K and V tensors) are on every rank, in its model runner; their ids are
-the same on every rank.
+"""The paged KV cache's accounting: which blocks are free, and how many holders each has, in the
+GPU pool and (with kv_offload_memory) the host pool under it. The blocks themselves (K and V
+tensors) are on every rank, in its model runner; their ids are the same on every rank.
 
-The BlockManager offers mechanisms (allocate, reference counts, free); the scheduler
-decides policy (whom to admit, whom to preempt). It knows nothing of requests or of a prefix
-tree: a block's reference count is the number of holders, and a block is free exactly when its
-count is 0.
+The BlockManager offers mechanisms (allocate, reference counts, free, copies between the pools);
+the scheduler and the prefix cache decide policy (whom to admit, whom to preempt, what to
+demote). It knows nothing of requests or of a prefix tree: a block's reference count is the
+number of holders, and a block is free exactly when its count is 0. Copies are queued in the
+order they are asked for (take_copies hands them to the next step, which runs them before its
+forward): a block freed after its copy was queued may be reused at once.
 
-Invariants (check_invariants): every device block is either free (ref 0, in the free list
+Invariants (check_invariants): in each pool every block is either free (ref 0, in the free list
 once) or used (ref >= 1); free + used = total.
 """
 
@@ -63,11 +65,39 @@ class BlockPool:
 
 
 class BlockManager:
-    """The blocks of the KV pool (num_blocks of block_size tokens) and their reference counts."""
+    """The blocks of the KV pool (num_blocks of block_size tokens) and their reference counts;
+    num_host_blocks > 0: a host pool too (`host`), and the copies between the two."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0):
         self.block_size = block_size
         self.gpu = BlockPool(num_blocks)
+        self.host = BlockPool(num_host_blocks) if num_host_blocks else None
+        self.copies: list[tuple[bool, list[int], list[int]]] = []  # (to the host?, source ids, destination ids)
+        self.copied_blocks = [0, 0]  # blocks copied to the GPU, to the host
+
+    def copy_to_host(self, gpu_ids: list[int], host_ids: list[int]) -> None:
+        self._copy(True, gpu_ids, host_ids)
+
+    def copy_to_gpu(self, host_ids: list[int], gpu_ids: list[int]) -> None:
+        self._copy(False, host_ids, gpu_ids)
+
+    def _copy(self, to_host: bool, src: list[int], dst: list[int]) -> None:
+        """Queue a copy, joined to the one before when it goes the same way and writes none of
+        the blocks that one writes (a copy reads all its sources before it writes)."""
+        assert len(src) == len(dst)
+        if not src:
+            return
+        self.copied_blocks[to_host] += len(src)
+        last = self.copies[-1] if self.copies else None
+        if last is not None and last[0] == to_host and not set(dst) & set(last[2]):
+            last[1].extend(src)
+            last[2].extend(dst)
+        else:
+            self.copies.append((to_host, list(src), list(dst)))
+
+    def take_copies(self) -> list[tuple[bool, list[int], list[int]]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     @property
     def num_total_blocks(self) -> int:
@@ -99,3 +129,5 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         self.gpu.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()

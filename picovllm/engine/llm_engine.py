@@ -61,10 +61,24 @@ def _to_host(out: SamplerOutput) -> SamplerOutput:
     return SamplerOutput(*(copy(getattr(out, f.name)) for f in fields(out)))
 
 
-def step_inputs(batch: ScheduledBatch, num_pending: int = 0) -> StepInputs:
-    """A scheduled batch as plain data (what every rank's forward needs). The first num_pending
-    requests decode a token sampled by the step before and not yet read by the host (a step
-    launched ahead): their input token is a placeholder, filled on the device (ModelRunner.prepare)."""
+OFFLOAD_METRICS = {  # LLMEngine.get_metrics' keys with a host tier (kv_offload_memory), and what they count
+    "prefix_cache_host_hit_tokens": "Prompt tokens served by prefix-cache blocks promoted from the host tier.",
+    "kv_offload_blocks_total": "Blocks of the host tier.",
+    "kv_offload_blocks_free": "Free blocks of the host tier.",
+    "kv_offload_demoted_blocks": "GPU blocks the prefix cache evicted to the host tier (no copy if already there).",
+    "kv_offload_promoted_blocks": "Host-tier blocks the prefix cache brought back to the GPU on a hit.",
+    "kv_offload_evicted_blocks": "Blocks the host tier evicted.",
+    "kv_offload_bytes_to_host": "Bytes copied from the GPU to the host tier (per rank; demotions and swaps).",
+    "kv_offload_bytes_to_gpu": "Bytes copied from the host tier to the GPU (per rank; promotions and swaps).",
+    "num_swapped_out": "Preemptions that swapped the request's KV to the host tier (preemption_mode 'swap').",
+}
+
+
+def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | None = None) -> StepInputs:
+    """A scheduled batch as plain data (what every rank's forward needs), with the copies between
+    the KV pools to run first. The first num_pending requests decode a token sampled by the step
+    before and not yet read by the host (a step launched ahead): their input token is a
+    placeholder, filled on the device (ModelRunner.prepare)."""
     token_ids, context, sample = [], [], []
     for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
         end = r.num_computed_tokens + n
@@ -77,6 +91,7 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0) -> StepInputs:
         np.array(batch.num_new_tokens, dtype=np.int64),
         [r.block_table for r in batch.requests],
         np.array(sample),
+        kv_copies or [],
     )
 
 
@@ -134,8 +149,11 @@ class LLMEngine:
         self.max_model_len, self.max_num_batched_tokens = resolve_limits(
             config, max_model_len, num_blocks * config.block_size
         )
-        self.executor.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        num_host_blocks = config.kv_offload_memory // self.model_runner.kv_block_bytes()
+        if config.kv_offload_memory and not num_host_blocks:
+            raise ValueError(f"kv_offload_memory {config.kv_offload_memory} holds no KV block")
+        self.executor.allocate_kv_cache(num_blocks, num_host_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, num_host_blocks)
         self.graph_capture_s = self._capture_graphs()
         self.scheduler = Scheduler(
             self.block_manager,
@@ -143,6 +161,7 @@ class LLMEngine:
             self.max_num_batched_tokens,
             config.enable_prefix_caching,
             config.enable_chunked_prefill,
+            config.preemption_mode,
         )
         self.groups: dict[str, _Group] = {}
         self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
@@ -309,7 +328,7 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> _Step:
         num_pending = 0 if pending is None else len(pending)
-        step = step_inputs(batch, num_pending)
+        step = step_inputs(batch, num_pending, self.block_manager.take_copies())
         # the requests whose last token this step computes (step.sample): each samples one token
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         sampling = self._sampling_batch(reqs) if reqs else None
@@ -486,10 +505,16 @@ class LLMEngine:
     # ---- introspection ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Block references, tree locks, block conservation; a request in a step launched ahead
-        has computed all its tokens (the one being sampled is not appended yet)."""
+        """Block references (in both tiers), tree locks, block conservation; a request in a step
+        launched ahead has computed all its tokens (the one being sampled is not appended yet);
+        the host tier's copies equal their GPU blocks."""
         ahead = self._inflight.batch.requests if self._inflight is not None else []
         self.scheduler.check_invariants(ahead, self.kv_handoff.held_blocks() if self.kv_handoff else ())
+        tree = self.scheduler.cache.tree
+        if self.block_manager.host is not None and tree is not None and not self.block_manager.copies:
+            # a node in both tiers holds the same KV in both (rank 0's pools; no copy pending)
+            both = [(n.blocks, n.host) for n in tree.nodes() if n.blocks is not None and n.host is not None]
+            self.model_runner.check_host_copies([p for gpu, host in both for p in zip(gpu, host)])
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block no running request uses; True if the cache is now empty."""
@@ -514,5 +539,23 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.transferring),
             "num_preemptions": self.scheduler.num_preemptions,
+            **(self._offload_metrics() if bm.host is not None else {}),
             **(self.kv_handoff.get_metrics() if self.kv_handoff is not None else {}),
+        }
+
+    def _offload_metrics(self) -> dict[str, int]:
+        """The host tier's (kv_offload_memory): OFFLOAD_METRICS."""
+        bm, cache = self.block_manager, self.scheduler.cache
+        to_gpu, to_host = bm.copied_blocks
+        block_bytes = self.model_runner.kv_block_bytes()
+        return {
+            "prefix_cache_host_hit_tokens": cache.host_hit_tokens,
+            "kv_offload_blocks_total": bm.host.num_blocks,
+            "kv_offload_blocks_free": bm.host.num_free,
+            "kv_offload_demoted_blocks": cache.demoted_blocks,
+            "kv_offload_promoted_blocks": cache.promoted_blocks,
+            "kv_offload_evicted_blocks": cache.host_evicted_blocks,
+            "kv_offload_bytes_to_host": to_host * block_bytes,
+            "kv_offload_bytes_to_gpu": to_gpu * block_bytes,
+            "num_swapped_out": self.scheduler.num_swapped_out,
         }

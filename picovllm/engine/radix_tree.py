@@ -1,51 +1,57 @@
-"""Token-granularity radix tree over paged KV blocks.
+"""Token-granularity radix tree over paged KV blocks, in two tiers: the GPU pool and (when the
+prefix cache offloads) a host pool under it.
 
 Edges are labelled with token runs and split at any token. A node whose edge covers the absolute
 token range [start, end) holds the full blocks that end inside (start, end]: block indices
 [start // block_size, end // block_size). Every full block of an inserted sequence therefore
-belongs to exactly one node on its path, and a partial trailing block to none.
+belongs to exactly one node on its path, and a partial trailing block to none. A node holds
+them on the GPU (`blocks`), on the host (`host`), or both (the same KV: a full block never
+changes once computed); a node with neither is removed.
 
-lock_ref of a node = number of live requests whose lock point is the node or below it; only
-nodes with lock_ref 0 can be evicted, leaves first, least recently used first. The tree knows
-nothing of block reference counts: PrefixCache (prefix_cache.py) pairs the two.
+lock_ref of a node = number of live requests whose lock point is the node or below it. Locked
+nodes are on the GPU, and so is the parent of every node on the GPU: the GPU part of the tree is
+a subtree at the root, the host-only part hangs below it. Eviction from the GPU takes unlocked
+nodes with no child on the GPU, from the host nodes with no child at all or a GPU copy too; in
+each tier the order is its eviction policy's (eviction_policy.py). The tree knows nothing of
+block reference counts or copies: PrefixCache (prefix_cache.py) pairs it with the pools.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
+
+from picovllm.engine.eviction_policy import LRU
 
 
 class RadixNode:
-    __slots__ = ("parent", "children", "tokens", "start", "blocks", "lock_ref", "last_access", "_stamp")
+    __slots__ = ("parent", "children", "tokens", "start", "blocks", "host", "lock_ref", "last_access")
 
-    def __init__(self, parent: RadixNode | None, tokens: list[int], start: int, blocks: list[int]):
+    def __init__(self, parent: RadixNode | None, tokens: list[int], start: int, blocks: list[int] | None):
         self.parent = parent
         self.children: dict[int, RadixNode] = {}
         self.tokens = tokens
         self.start = start
-        self.blocks = blocks
+        self.blocks = blocks  # GPU block ids (None: not on the GPU)
+        self.host: list[int] | None = None  # host block ids (None: not on the host)
         self.lock_ref = 0
         self.last_access = 0
-        self._stamp = -1  # time of this node's live entry in the eviction heap; -1: none
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
 
-    def __lt__(self, other: RadixNode) -> bool:  # heap ties
-        return id(self) < id(other)
-
 
 class RadixTree:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, gpu_policy=None, host_policy=None):
         self.block_size = block_size
         self.root = RadixNode(None, [], 0, [])
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
-        self._heap: list[tuple[int, RadixNode]] = []  # eviction candidates, lazily invalidated
-        self.num_blocks = 0  # blocks held by the tree
-        self.num_locked_blocks = 0  # blocks held by nodes with lock_ref > 0
+        self.gpu_policy = gpu_policy or LRU()
+        self.host_policy = host_policy or LRU()
+        self.num_blocks = 0  # GPU blocks held by the tree
+        self.num_locked_blocks = 0  # GPU blocks held by nodes with lock_ref > 0
+        self.num_host_blocks = 0  # host blocks held by the tree
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -74,15 +80,19 @@ class RadixTree:
             node.last_access = now
         return node, pos
 
-    def path_blocks(self, node: RadixNode, length: int) -> list[int]:
-        """Blocks covering the first length // block_size full blocks of the path to node, where
-        length lies within node's edge."""
+    def path(self, node: RadixNode) -> list[RadixNode]:
+        """The nodes from the root's child down to node."""
         path = []
         while node is not self.root:
             path.append(node)
             node = node.parent
+        return path[::-1]
+
+    def path_blocks(self, node: RadixNode, length: int) -> list[int]:
+        """GPU blocks covering the first length // block_size full blocks of the path to node,
+        where length lies within node's edge (the path on the GPU)."""
         blocks: list[int] = []
-        for n in reversed(path):
+        for n in self.path(node):
             if length >= n.end:
                 blocks += n.blocks
             else:
@@ -93,32 +103,41 @@ class RadixTree:
     # ---- updates ------------------------------------------------------------------------------
 
     def insert(self, tokens: list[int], blocks: list[int], limit: int | None = None) -> tuple[RadixNode, list[int]]:
-        """Insert tokens[:limit], whose full blocks are blocks[:limit // block_size]. Returns the
-        node at which the sequence ends and the blocks the tree newly holds (the caller takes a
-        reference for the tree on each). Where the tree already has the tokens, it keeps its own
-        blocks. Never changes lock_ref (a split copies it)."""
+        """Insert tokens[:limit], whose full blocks are blocks[:limit // block_size] on the GPU.
+        Returns the node at which the sequence ends and the GPU blocks the tree newly holds (the
+        caller takes a reference for the tree on each). Where the tree already has the tokens on
+        the GPU, it keeps its own blocks; where it has them on the host only, it takes these as
+        their GPU copy. Never changes lock_ref (a split copies it)."""
         limit = len(tokens) if limit is None else limit
-        assert len(blocks) >= limit // self.block_size
-        node, pos = self._walk(tokens, limit, split=True)
-        if pos == limit:
-            return node, []
         bs = self.block_size
+        assert len(blocks) >= limit // bs
+        node, pos = self._walk(tokens, limit, split=True)
+        taken: list[int] = []
+        for n in self.path(node):  # (the host-only part of the path, at its end)
+            if n.blocks is None:
+                n.blocks = blocks[n.start // bs : n.end // bs]
+                self.num_blocks += len(n.blocks)
+                taken += n.blocks
+                self.offer(n)
+        if pos == limit:
+            return node, taken
         leaf = RadixNode(node, tokens[pos:limit], pos, blocks[pos // bs : limit // bs])
         leaf.last_access = next(self._clock)
         node.children[tokens[pos]] = leaf
         self.num_blocks += len(leaf.blocks)
-        self._maybe_candidate(leaf)
-        return leaf, list(leaf.blocks)
+        self.offer(leaf)
+        return leaf, taken + leaf.blocks
 
     def _split(self, node: RadixNode, offset: int) -> RadixNode:
         """Cut node's edge after `offset` tokens; the new parent takes the head and the blocks
-        ending in it, copies lock_ref and last access; node keeps the tail."""
-        bs = self.block_size
-        keep = (node.start + offset) // bs - node.start // bs
-        head = RadixNode(node.parent, node.tokens[:offset], node.start, node.blocks[:keep])
+        ending in it (in each tier), copies lock_ref and last access; node keeps the tail."""
+        keep = (node.start + offset) // self.block_size - node.start // self.block_size
+        head = RadixNode(node.parent, node.tokens[:offset], node.start, _head(node.blocks, keep))
+        head.host = _head(node.host, keep)
         head.lock_ref, head.last_access = node.lock_ref, node.last_access
         node.parent.children[node.tokens[0]] = head
-        node.tokens, node.start, node.blocks = node.tokens[offset:], node.start + offset, node.blocks[keep:]
+        node.tokens, node.start = node.tokens[offset:], node.start + offset
+        node.blocks, node.host = _tail(node.blocks, keep), _tail(node.host, keep)
         node.parent = head
         head.children[node.tokens[0]] = node
         return head
@@ -130,49 +149,97 @@ class RadixTree:
             node.lock_ref += delta
             assert node.lock_ref >= 0, "lock_ref underflow"
             if before == 0 and node.lock_ref > 0:
+                assert node.blocks is not None, "locking a node that is not on the GPU"
                 self.num_locked_blocks += len(node.blocks)
             elif before > 0 and node.lock_ref == 0:
                 self.num_locked_blocks -= len(node.blocks)
-                self._maybe_candidate(node)
+                self.offer(node)
             node = node.parent
 
-    def evict(self, num_blocks: int) -> list[int]:
-        """Remove least recently used unlocked leaves until num_blocks blocks are released (or
-        nothing is evictable). Each eviction is O(log n): candidates sit in a heap and entries
-        made stale by later accesses, locks or new children are skipped when popped."""
-        freed: list[int] = []
-        while len(freed) < num_blocks and self._heap:
-            stamp, node = heapq.heappop(self._heap)
-            if stamp != node._stamp:
-                continue  # superseded entry
-            node._stamp = -1
-            if not self._evictable(node):
-                continue  # locked or given children since; re-queued when that changes
-            if stamp != node.last_access:
-                self._maybe_candidate(node)  # used since it was queued: queue it at its new time
-                continue
+    # ---- tiers --------------------------------------------------------------------------------
+
+    def gpu_victim(self) -> RadixNode | None:
+        """The next node to leave the GPU (the GPU policy's order): unlocked, no child on the GPU."""
+        return self._victim(self.gpu_policy, self._gpu_evictable)
+
+    def host_victim(self) -> RadixNode | None:
+        """The next node to leave the host: no child, or on the GPU too."""
+        return self._victim(self.host_policy, self._host_evictable)
+
+    def _victim(self, policy, evictable) -> RadixNode | None:
+        while (node := policy.pop()) is not None:
+            if evictable(node):
+                return node  # (else offered again when that changes)
+        return None
+
+    def drop_gpu(self, node: RadixNode) -> tuple[list[int], list[int]]:
+        """Take node's GPU copy away: (its GPU blocks, host blocks freed with it). A node with no
+        host copy leaves the tree, and with it the host-only nodes below it."""
+        blocks, node.blocks = node.blocks, None
+        self.num_blocks -= len(blocks)
+        self.offer(node.parent)
+        if node.host is not None:
+            self.offer(node)
+            return blocks, []
+        host: list[int] = []
+        stack = list(node.children.values())
+        while stack:  # (host-only, all of them: the GPU part is a subtree at the root)
+            n = stack.pop()
+            stack += n.children.values()
+            host += n.host
+            self.num_host_blocks -= len(n.host)
+            n.host = None  # (gone: no policy may offer it again)
+        del node.parent.children[node.tokens[0]]
+        return blocks, host
+
+    def drop_host(self, node: RadixNode) -> list[int]:
+        """Take node's host copy away (its host blocks); a node on the host only leaves the tree."""
+        host, node.host = node.host, None
+        self.num_host_blocks -= len(host)
+        if node.blocks is None:
             del node.parent.children[node.tokens[0]]
-            self.num_blocks -= len(node.blocks)
-            freed += node.blocks
-            self._maybe_candidate(node.parent)
-        return freed
+            self.offer(node.parent)
+        return host
+
+    def set_host(self, node: RadixNode, host: list[int]) -> None:
+        """node's blocks are (being) copied to these host blocks."""
+        assert node.host is None and len(host) == len(node.blocks)
+        node.host = host
+        self.num_host_blocks += len(host)
+        self.offer(node)
+
+    def set_gpu(self, node: RadixNode, blocks: list[int]) -> None:
+        """node's host blocks are (being) copied to these GPU blocks (its parent is on the GPU)."""
+        assert node.blocks is None and len(blocks) == len(node.host) and node.parent.blocks is not None
+        node.blocks = blocks
+        self.num_blocks += len(blocks)
+        self.offer(node)
 
     @property
     def num_evictable_blocks(self) -> int:
+        """GPU blocks that eviction could free now."""
         return self.num_blocks - self.num_locked_blocks
 
-    def _evictable(self, node: RadixNode) -> bool:
-        return (
-            node is not self.root
-            and node.lock_ref == 0
-            and not node.children
-            and node.parent.children.get(node.tokens[0]) is node
-        )  # still attached
+    def attached(self, node: RadixNode) -> bool:
+        return node is not self.root and node.parent.children.get(node.tokens[0]) is node
 
-    def _maybe_candidate(self, node: RadixNode) -> None:
-        if node._stamp == -1 and self._evictable(node):
-            node._stamp = node.last_access
-            heapq.heappush(self._heap, (node.last_access, node))
+    def _gpu_evictable(self, node: RadixNode) -> bool:
+        return (
+            node.blocks is not None
+            and node.lock_ref == 0
+            and self.attached(node)
+            and all(c.blocks is None for c in node.children.values())
+        )
+
+    def _host_evictable(self, node: RadixNode) -> bool:
+        return node.host is not None and self.attached(node) and (node.blocks is not None or not node.children)
+
+    def offer(self, node: RadixNode) -> None:
+        """Offer node to each tier's policy where it is evictable now."""
+        if self._gpu_evictable(node):
+            self.gpu_policy.offer(node)
+        if self._host_evictable(node):
+            self.host_policy.offer(node)
 
     # ---- checks -------------------------------------------------------------------------------
 
@@ -185,16 +252,30 @@ class RadixTree:
 
     def check_invariants(self) -> None:
         bs = self.block_size
-        total = locked = 0
+        total = locked = host = 0
         for node in self.nodes():
             assert node.tokens, "empty edge"
             assert node.parent.children[node.tokens[0]] is node
             assert node.start == node.parent.end, "edge does not continue its parent"
-            assert len(node.blocks) == node.end // bs - node.start // bs, "block count off for the edge"
+            span = node.end // bs - node.start // bs
+            assert node.blocks is not None or node.host is not None, "a node in neither tier"
+            for ids in (node.blocks, node.host):
+                assert ids is None or len(ids) == span, "block count off for the edge"
+            assert node.blocks is None or node.parent.blocks is not None, "on the GPU below a node that is not"
+            assert node.lock_ref == 0 or node.blocks is not None, "a locked node not on the GPU"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "child locks exceed parent's"
-            total += len(node.blocks)
+            total += len(node.blocks or ())
             locked += len(node.blocks) if node.lock_ref else 0
-        assert total == self.num_blocks and locked == self.num_locked_blocks
+            host += len(node.host or ())
+        assert total == self.num_blocks and locked == self.num_locked_blocks and host == self.num_host_blocks
+
+
+def _head(ids: list[int] | None, n: int) -> list[int] | None:
+    return None if ids is None else ids[:n]
+
+
+def _tail(ids: list[int] | None, n: int) -> list[int] | None:
+    return None if ids is None else ids[n:]
 
 
 def _common_len(edge: list[int], tokens: list[int], pos: int, limit: int) -> int:

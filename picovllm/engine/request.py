@@ -10,6 +10,7 @@ from picovllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()  # queued, or preempted and waiting to be recomputed
+    SWAPPED = enum.auto()  # preempted, its KV in host blocks (preemption_mode "swap"), queued to resume
     RUNNING = enum.auto()  # holds blocks; its KV covers its first num_computed_tokens tokens
     WAITING_FOR_REMOTE_KV = enum.auto()  # holds blocks for its prompt, being pulled from a prefill instance
     FINISHED = enum.auto()
@@ -48,6 +49,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose KV came from the prefix cache this admission
+        self.num_host_cached_tokens = 0  # of those, the ones the cache had on the host only
+        self.host_blocks: list[int] = []  # SWAPPED: its KV, covering its first num_swapped_tokens tokens
+        self.num_swapped_tokens = 0
         self.num_computed_tokens = 0  # leading tokens whose KV is in the cache (cached or computed)
         self.num_prompt_cached_tokens: int | None = None  # the same at its first admission (reported)
         self.lock_node = None  # the radix-tree node this request holds locked (prefix_cache.py)

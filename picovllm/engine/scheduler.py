@@ -8,9 +8,11 @@ than what is left of the budget is prefilled over several steps; off, it waits f
 room for all of it. A request samples a token only in the step that computes its last token.
 
 When a running request needs a block and none is free or evictable, the most recently admitted
-request is preempted: its computed blocks go into the prefix cache (when on), its references
-are released, and it goes back to the front of the queue, to be recomputed later, from the
-cache as far as its blocks have not been evicted meanwhile.
+request is preempted and goes back to the front of the queue. With preemption_mode "recompute"
+its computed blocks go into the prefix cache (when on), its references are released, and it is
+recomputed later, from the cache as far as its blocks have not been evicted meanwhile. With
+"swap" its blocks are copied to the host pool (SWAPPED) and back when it resumes; when the host
+pool cannot take them, it is recomputed.
 
 Admission takes the longest cached prefix of a request's tokens (prefix_cache.py) and computes
 only the rest. The full blocks a step computes go into the tree when the step is scheduled, so
@@ -53,12 +55,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
     ):
         self.block_manager = block_manager
         self.cache = PrefixCache(block_manager, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.swap = preemption_mode == "swap"
+        self.num_swapped_out = 0  # preemptions that swapped (the others recomputed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -143,6 +148,11 @@ class Scheduler:
             req = self.waiting[0]
             if req.after is not None and req.after.status in _NOT_YET_PULLED:
                 break  # (a sibling whose prompt KV is being pulled: its blocks come next)
+            if req.status == RequestStatus.SWAPPED:
+                if not self._swap_in(batch, req, budget):
+                    break
+                budget -= batch.num_new_tokens[-1]
+                continue
             cache.acquire(req)
             if _pulls(req):
                 if not self._admit_pull(req):
@@ -166,6 +176,23 @@ class Scheduler:
             batch.add(req, n)
             budget -= n
 
+    def _swap_in(self, batch: ScheduledBatch, req: Request, budget: int) -> bool:
+        """Resume a swapped-out request: its blocks back from the host, and its next tokens in
+        the batch. False when the blocks are short (as for an admission, one is kept in reserve
+        for each running request)."""
+        remaining = req.num_tokens - req.num_swapped_tokens
+        n = min(remaining, budget) if self.enable_chunked_prefill else remaining
+        needed = self.block_manager.blocks_needed(req.num_swapped_tokens + n)
+        if n > budget or needed + len(self.running) > self.cache.num_available_blocks:
+            return False
+        self.waiting.popleft()
+        self.cache.swap_in(req, needed)
+        self.cache.insert(req, req.num_computed_tokens + n)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        batch.add(req, n)
+        return True
+
     def _admit_pull(self, req: Request) -> bool:
         """Admit a request whose prompt's KV a prefill instance holds: blocks for the whole prompt
         (its cached prefix found already), then it waits for the pull (the engine starts it) and
@@ -188,7 +215,7 @@ class Scheduler:
         in the hit rate); a readmission after preemption does not count again."""
         if req.num_prompt_cached_tokens is None:
             req.num_prompt_cached_tokens = req.num_cached_tokens
-            self.cache.record_query(req.num_prompt_tokens, req.num_cached_tokens)
+            self.cache.record_query(req.num_prompt_tokens, req.num_cached_tokens, req.num_host_cached_tokens)
 
     def take_new_pulls(self) -> list[Request]:
         pulls, self.new_pulls = self.new_pulls, []
@@ -212,9 +239,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _preempt(self, req: Request) -> None:
-        self.cache.insert(req, req.num_computed_tokens)  # keep its computed blocks: recompute mostly hits
-        self.cache.release(req)
-        req.status = RequestStatus.WAITING
+        if self.swap and req.num_computed_tokens > 0 and self.cache.swap_out(req):
+            req.status = RequestStatus.SWAPPED
+            self.num_swapped_out += 1
+        else:
+            self.cache.insert(req, req.num_computed_tokens)  # keep its computed blocks: recompute mostly hits
+            self.cache.release(req)
+            req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -246,8 +277,11 @@ class Scheduler:
         computed every token they hold (the next one is on the device). `held`: blocks a
         prefill instance holds for decode instances to pull (one reference each)."""
         ahead_ids = set(map(id, ahead))
+        assert all(not r.block_table and r.lock_node is None for r in self.waiting)
         assert all(
-            not r.block_table and r.lock_node is None and r.status == RequestStatus.WAITING for r in self.waiting
+            (r.status == RequestStatus.SWAPPED) == bool(r.host_blocks)
+            and r.status in (RequestStatus.WAITING, RequestStatus.SWAPPED)
+            for r in self.waiting
         )
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(
@@ -260,7 +294,8 @@ class Scheduler:
             and len(r.block_table) == self.block_manager.blocks_needed(r.num_prompt_tokens)
             for r in self.transferring
         )
-        self.cache.check_invariants(self.running + self.transferring, held)
+        swapped = [r for r in self.waiting if r.status == RequestStatus.SWAPPED]
+        self.cache.check_invariants(self.running + self.transferring, held, swapped)
 
 
 _NOT_YET_PULLED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV)

@@ -121,6 +121,20 @@ def engine_parser() -> argparse.ArgumentParser:
         help="bytes of KV cache; overrides --gpu-memory-utilization (default on CPU: 2 GiB)",
     )
     g.add_argument(
+        "--kv-offload-memory",
+        type=_number(int, 0, what="must be >= 0"),
+        default=0,
+        help="bytes of host memory for a second tier of the KV cache: the prefix cache demotes what "
+        "it evicts from the GPU there and promotes it back on a hit (0: off)",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        choices=["recompute", "swap"],
+        default="recompute",
+        help="a preempted request's KV: recomputed when it resumes, or swapped to the host tier and "
+        "back (needs --kv-offload-memory)",
+    )
+    g.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -153,6 +167,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
+        kv_offload_memory=args.kv_offload_memory,
+        preemption_mode=args.preemption_mode,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,

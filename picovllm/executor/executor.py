@@ -182,9 +182,9 @@ class Executor:
             raise self._fail(w, "while starting", value if got == "error" else f"said {got!r}, not {kind!r}")
         return value
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._publish(("kv", num_blocks))
-        self.driver.allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self._publish(("kv", num_blocks, num_host_blocks))
+        self.driver.allocate_kv_cache(num_blocks, num_host_blocks)
 
     @property
     def kv_transfer(self) -> KVTransfer | None:

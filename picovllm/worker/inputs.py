@@ -14,7 +14,7 @@ never over tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -37,6 +37,9 @@ class StepInputs:
     query_lens: np.ndarray  # int64 [B]
     block_tables: list[list[int]]
     sample: np.ndarray  # bool [B]
+    # copies between the GPU and host KV pools to run before the forward, in order: (to the
+    # host?, source block ids, destination block ids) (engine/block_manager.py)
+    kv_copies: list[tuple[bool, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

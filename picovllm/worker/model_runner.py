@@ -13,7 +13,7 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import tp_broadcast
-from picovllm.distributed.kv_transfer import KVTransfer, NixlKVTransfer
+from picovllm.distributed.kv_transfer import KVTransfer, NixlKVTransfer, block_runs
 from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.kernels.prefill_attention import num_work_items
 from picovllm.model.loader.model_loader import load_model
@@ -60,6 +60,7 @@ class ModelRunner:
         self._sampling_cache: tuple[list[str], SamplingTensors] | None = None
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
+        self.host_kv: torch.Tensor | None = None  # (the KV cache's host tier, kv_offload_memory)
         self.kv_role, self.kv_transfer_backend = engine_cfg.kv_role, engine_cfg.kv_transfer_backend
         self.kv_transfer: KVTransfer | None = None  # a prefill or decode instance's, over its pool
         self.graphs: DecodeGraphs | None = None
@@ -95,8 +96,11 @@ class ModelRunner:
             )
         return blocks
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """This rank's KV pool (allocate_kv_pool), bound to the model's attention layers."""
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """This rank's KV pool (allocate_kv_pool), bound to the model's attention layers, and its
+        host pool when num_host_blocks > 0: [num_host_blocks, layers, 2, kv_heads, block_size,
+        head_dim], a block's K and V of every layer in one piece (pinned when the pool is on a
+        GPU)."""
         layers = self.model.attention_layers()
         attn = layers[0]
         self.kv_cache, views = allocate_kv_pool(
@@ -104,6 +108,9 @@ class ModelRunner:
         )
         for layer, (k, v) in zip(layers, views, strict=True):
             layer.k_cache, layer.v_cache = k, v
+        if num_host_blocks:
+            shape = (num_host_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+            self.host_kv = torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         if self.kv_role != "both":
             self.kv_transfer = NixlKVTransfer(attn.first_kv_head, cuda_ipc=self.kv_transfer_backend == "auto")
             self.kv_transfer.register(self.kv_cache)
@@ -157,11 +164,40 @@ class ModelRunner:
         return build_eager(step, self.block_size, self.upload), None
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[bool, list[int], list[int]]]) -> None:
+        """Copy blocks between this rank's GPU and host pools, in order: (to the host?, source
+        ids, destination ids) each (BlockManager.take_copies). On the compute stream, before the
+        step's forward: a block the step writes may have been copied out just before."""
+        device = self.device
+        for to_host, src, dst in copies:
+            if to_host:  # (gathered on the GPU, then one copy per run of consecutive host blocks)
+                picked = self.kv_cache.index_select(2, torch.tensor(src, device=device)).movedim(2, 0).contiguous()
+                for i, start, count in block_runs(list(range(len(dst))), dst):
+                    self.host_kv[start : start + count].copy_(picked[i : i + count], non_blocking=True)
+            else:
+                staged = torch.empty((len(src), *self.host_kv.shape[1:]), dtype=self.dtype, device=device)
+                for i, start, count in block_runs(list(range(len(src))), src):
+                    staged[i : i + count].copy_(self.host_kv[start : start + count], non_blocking=True)
+                self.kv_cache.index_copy_(2, torch.tensor(dst, device=device), staged.movedim(0, 2))
+
+    def check_host_copies(self, pairs: list[tuple[int, int]]) -> None:
+        """(GPU block, host block) pairs that must hold the same KV (PICOVLLM_CHECK_INVARIANTS)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for gpu, host in pairs:
+            assert torch.equal(self.kv_cache[:, :, gpu].cpu(), self.host_kv[host]), (
+                f"GPU block {gpu} != host block {host}"
+            )
+
+    @torch.inference_mode()
     def step_logits(
         self, step: StepInputs, pending: torch.Tensor | None = None, num_pending: int = 0
     ) -> torch.Tensor | None:
-        """The forward of one step on this rank: the logits of the sampled positions on rank 0,
-        None on the others (see prepare for pending)."""
+        """The forward of one step on this rank (after the step's copies between the KV pools):
+        the logits of the sampled positions on rank 0, None on the others (see prepare for
+        pending)."""
+        if step.kv_copies:
+            self.copy_blocks(step.kv_copies)
         inputs, graphs = self.prepare(step, pending, num_pending)
         if graphs is not None:
             hidden = graphs.run(inputs)

@@ -2,7 +2,7 @@
 model and of the KV cache, and a model runner that runs every step's forward as rank 0 sends it
 (executor/executor.py). Rank 0, which samples, runs in the engine's process.
 
-Messages from rank 0, on a pipe: ("kv", num_blocks) allocates the KV pool, ("step", StepInputs,
+Messages from rank 0, on a pipe: ("kv", num_blocks, num_host_blocks) allocates the KV pools, ("step", StepInputs,
 num_pending) runs a forward, None stops. The worker says ("joining", None) as it joins the
 process group, ("ready", num_kv_blocks) once its model is loaded, and ("error", message) before
 it exits on an exception.
@@ -41,7 +41,7 @@ def _model_runner(config: EngineConfig, device: torch.device, max_model_len: int
 
 
 def _follow(runner, recv, reply=None) -> None:
-    """Run rank 0's messages until its None: ("kv", num_blocks), ("graphs", max_num_seqs,
+    """Run rank 0's messages until its None: ("kv", num_blocks, num_host_blocks), ("graphs", max_num_seqs,
     max_model_len, mixed_graph_tokens), ("step", StepInputs, num_pending); a prefill or decode
     instance's ("kv_info",), ("kv_pull", pull_id, remote, remote_blocks, local_blocks) and
     ("kv_poll",), the first and last answered through reply. The graphs are freed before the
@@ -52,7 +52,7 @@ def _follow(runner, recv, reply=None) -> None:
             if kind == "step":
                 runner.step_logits(msg[1], None, msg[2])
             elif kind == "kv":
-                runner.allocate_kv_cache(msg[1])
+                runner.allocate_kv_cache(*msg[1:])
             elif kind == "graphs":
                 runner.capture_graphs(*msg[1:])
             elif kind == "kv_pull":

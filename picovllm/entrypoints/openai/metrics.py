@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
 
 from picovllm.engine.kv_handoff import GAUGES, METRICS, TRANSFER_TIME_BUCKETS
+from picovllm.engine.llm_engine import OFFLOAD_METRICS
 from picovllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -56,8 +57,9 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.kv_transfer = {  # (a prefill or decode instance's; engine/kv_handoff.py)
-            name: Gauge(f"picovllm:{name}", help_, registry=r) for name, help_ in {**METRICS, **GAUGES}.items()
+        self.engine_counts = {  # (a prefill or decode instance's, engine/kv_handoff.py; the host tier's)
+            name: Gauge(f"picovllm:{name}", help_, registry=r)
+            for name, help_ in {**METRICS, **GAUGES, **OFFLOAD_METRICS}.items()
         }
         self.transfer_time = _TransferTime()
         r.register(self.transfer_time)
@@ -75,7 +77,7 @@ class ServerMetrics:
         self.waiting.set(m["num_waiting"])
         self.kv_usage.set(1 - m["kv_blocks_free"] / m["kv_blocks_total"])
         self.hit_rate.set(m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1))
-        for name, gauge in self.kv_transfer.items():
+        for name, gauge in self.engine_counts.items():
             if name in m:
                 gauge.set(m[name])
         if "kv_transfer_time_buckets" in m:
