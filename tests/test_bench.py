@@ -84,3 +84,20 @@ def test_serve_step_intervals_leave_idle_gaps_out():
     assert np.allclose(gaps, [0.001, 0.002, 0.002])
     stats = _stats(gaps.tolist())
     assert abs(stats["p50"] - 2.0) < 1e-9 and abs(stats["mean"] - 5 / 3) < 1e-9 and _stats([]) == {}
+
+
+def test_offload_multi_turn_and_preemption(tiny_qwen, capsys):
+    from picovllm.bench.offload import run_multi_turn, run_preemption
+
+    kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "block_size": 4}
+    chats = run_multi_turn(
+        kwargs, conversations=6, turns=3, first_len=40, turn_len=8, output_len=4, pressure=3.0, max_num_seqs=2
+    )
+    assert chats["working_set_gb"] > 2.5 * chats["gpu_pool_gb"]  # (the pool holds 1/3 of the histories)
+    assert chats["off"]["hit_rate"] == 0 and chats["on"]["hit_rate"] == chats["on"]["host_hit_rate"] > 0.3
+    assert chats["on"]["promoted_gb"] > 0 and chats["on"]["promote_gb_s"] > 0 and chats["on"]["h2d_gb_s"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "offload_multi_turn"
+    preemption = run_preemption(kwargs, requests=6, prompt_len=30, output_len=20, pressure=3.0)
+    recompute, swap = preemption["results"]
+    assert recompute["preemptions"] > 0 and recompute["swapped"] == 0
+    assert swap["swapped"] == swap["preemptions"] > 0 and preemption["same_tokens"]

@@ -1,4 +1,4 @@
-"""`picovllm bench latency|throughput|prefix|serve`."""
+"""`picovllm bench latency|throughput|prefix|offload|serve|pd`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _rate(s: str) -> float:
 
 
 def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, serve, pd")
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, offload, serve, pd")
     bench.set_defaults(parser=bench)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
@@ -67,6 +67,26 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     pre.add_argument("--repeat", type=positive_int, default=3, help="wall-time runs per engine, best kept")
     pre.add_argument("--seed", type=non_negative_int, default=0)
     pre.set_defaults(func=_prefix, parser=pre)
+
+    off = kinds.add_parser(
+        "offload",
+        parents=[engine_parser],
+        help="the KV cache's host tier and swap preemption",
+        description="Multi-turn chats whose histories outgrow the GPU pool, the host tier off and on; then "
+        "requests under KV pressure, preemption by recompute and by swap. The pools are sized by the benchmark.",
+    )
+    off.add_argument("--conversations", type=positive_int, default=64)
+    off.add_argument("--turns", type=positive_int, default=8)
+    off.add_argument(
+        "--first-len", type=positive_int, default=1024, help="the first prompt's tokens (and (b)'s prompts)"
+    )
+    off.add_argument("--turn-len", type=positive_int, default=96, help="new tokens a later turn adds")
+    off.add_argument("--output-len", type=positive_int, default=32, help="an answer's tokens (b: 8x as many)")
+    off.add_argument("--concurrency", type=positive_int, default=16, help="(a): sequences that run at a time")
+    off.add_argument("--pressure", type=float, default=3.5, help="working set / GPU pool")
+    off.add_argument("--requests", type=positive_int, default=64, help="(b): requests at once")
+    off.add_argument("--seed", type=non_negative_int, default=0)
+    off.set_defaults(func=_offload, parser=off)
 
     srv = kinds.add_parser(
         "serve",
@@ -132,6 +152,27 @@ def _throughput(args: argparse.Namespace) -> int:
     from picovllm.bench.throughput import run_throughput
 
     run_throughput(engine_kwargs(args), args.num_prompts, args.min_len, args.max_len, args.seed)
+    return 0
+
+
+def _offload(args: argparse.Namespace) -> int:
+    from picovllm.bench.offload import run_multi_turn, run_preemption
+
+    kwargs = engine_kwargs(args)
+    for name in ("kv_cache_memory", "kv_offload_memory", "preemption_mode", "max_num_seqs", "max_model_len"):
+        kwargs.pop(name)  # (the benchmark's own)
+    run_multi_turn(
+        kwargs,
+        args.conversations,
+        args.turns,
+        args.first_len,
+        args.turn_len,
+        args.output_len,
+        args.pressure,
+        args.concurrency,
+        args.seed,
+    )
+    run_preemption(kwargs, args.requests, args.first_len, 8 * args.output_len, args.pressure, args.seed)
     return 0
 
 
