@@ -1,4 +1,4 @@
-"""`picovllm bench latency|throughput|prefix|offload|serve|pd`."""
+"""`picovllm bench latency|throughput|prefix|preemption|serve|pd`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _rate(s: str) -> float:
 
 
 def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, offload, serve, pd")
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, preemption, serve, pd")
     bench.set_defaults(parser=bench)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
@@ -62,31 +62,34 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         "prefix",
         parents=[engine_parser],
         help="prefix caching: TTFT, hit rate, cost",
-        description="Shared system prompts, a long shared prefix, and no sharing; cache on against off.",
+        description="Shared system prompts, a long shared prefix, and no sharing; cache on against off. "
+        "Then multi-turn chats whose histories outgrow the GPU pool: the host tier off against on.",
     )
     pre.add_argument("--repeat", type=positive_int, default=3, help="wall-time runs per engine, best kept")
     pre.add_argument("--seed", type=non_negative_int, default=0)
+    mt = pre.add_argument_group("(d) multi-turn chats, the KV cache's host tier off and on")
+    mt.add_argument("--conversations", type=positive_int, default=64)
+    mt.add_argument("--turns", type=positive_int, default=8)
+    mt.add_argument("--first-len", type=positive_int, default=1024, help="the first prompt's tokens")
+    mt.add_argument("--turn-len", type=positive_int, default=96, help="new tokens a later turn adds")
+    mt.add_argument("--answer-len", type=positive_int, default=32, help="an answer's tokens")
+    mt.add_argument("--concurrency", type=positive_int, default=16, help="sequences that run at a time")
+    mt.add_argument("--pressure", type=float, default=3.5, help="the final histories' KV / the GPU pool")
     pre.set_defaults(func=_prefix, parser=pre)
 
-    off = kinds.add_parser(
-        "offload",
+    pmt = kinds.add_parser(
+        "preemption",
         parents=[engine_parser],
-        help="the KV cache's host tier and swap preemption",
-        description="Multi-turn chats whose histories outgrow the GPU pool, the host tier off and on; then "
-        "requests under KV pressure, preemption by recompute and by swap. The pools are sized by the benchmark.",
+        help="preemption by recompute against swap",
+        description="Requests at once in a GPU pool that holds a fraction of their KV: preemption_mode "
+        "recompute, then swap (to a host tier the benchmark sizes): throughput, latency percentiles.",
     )
-    off.add_argument("--conversations", type=positive_int, default=64)
-    off.add_argument("--turns", type=positive_int, default=8)
-    off.add_argument(
-        "--first-len", type=positive_int, default=1024, help="the first prompt's tokens (and (b)'s prompts)"
-    )
-    off.add_argument("--turn-len", type=positive_int, default=96, help="new tokens a later turn adds")
-    off.add_argument("--output-len", type=positive_int, default=32, help="an answer's tokens (b: 8x as many)")
-    off.add_argument("--concurrency", type=positive_int, default=16, help="(a): sequences that run at a time")
-    off.add_argument("--pressure", type=float, default=3.5, help="working set / GPU pool")
-    off.add_argument("--requests", type=positive_int, default=64, help="(b): requests at once")
-    off.add_argument("--seed", type=non_negative_int, default=0)
-    off.set_defaults(func=_offload, parser=off)
+    pmt.add_argument("--requests", type=positive_int, default=64)
+    pmt.add_argument("--input-len", type=positive_int, default=1024)
+    pmt.add_argument("--output-len", type=positive_int, default=256)
+    pmt.add_argument("--pressure", type=float, default=3.5, help="the requests' KV / the GPU pool")
+    pmt.add_argument("--seed", type=non_negative_int, default=0)
+    pmt.set_defaults(func=_preemption, parser=pmt)
 
     srv = kinds.add_parser(
         "serve",
@@ -155,31 +158,37 @@ def _throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def _offload(args: argparse.Namespace) -> int:
-    from picovllm.bench.offload import run_multi_turn, run_preemption
-
+def _own_pools(args: argparse.Namespace) -> dict:
+    """The engine options, less those the benchmark sets itself (pool sizes, preemption)."""
     kwargs = engine_kwargs(args)
     for name in ("kv_cache_memory", "kv_offload_memory", "preemption_mode", "max_num_seqs", "max_model_len"):
-        kwargs.pop(name)  # (the benchmark's own)
-    run_multi_turn(
-        kwargs,
-        args.conversations,
-        args.turns,
-        args.first_len,
-        args.turn_len,
-        args.output_len,
-        args.pressure,
-        args.concurrency,
-        args.seed,
-    )
-    run_preemption(kwargs, args.requests, args.first_len, 8 * args.output_len, args.pressure, args.seed)
+        kwargs.pop(name)
+    return kwargs
+
+
+def _preemption(args: argparse.Namespace) -> int:
+    from picovllm.bench.offload import run_preemption
+
+    run_preemption(_own_pools(args), args.requests, args.input_len, args.output_len, args.pressure, args.seed)
     return 0
 
 
 def _prefix(args: argparse.Namespace) -> int:
+    from picovllm.bench.offload import run_multi_turn
     from picovllm.bench.prefix import run_prefix
 
     run_prefix(engine_kwargs(args), args.seed, args.repeat)
+    run_multi_turn(
+        _own_pools(args),
+        args.conversations,
+        args.turns,
+        args.first_len,
+        args.turn_len,
+        args.answer_len,
+        args.pressure,
+        args.concurrency,
+        args.seed,
+    )
     return 0
 
 

@@ -1,14 +1,15 @@
-"""`picovllm bench offload`: the KV cache's host tier (kv_offload_memory) and swap preemption.
+"""The KV cache's host tier (kv_offload_memory) and swap preemption, benchmarked: the multi-turn
+scenario of `picovllm bench prefix`, and `picovllm bench preemption`.
 
-(a) Multi-turn chats: --conversations conversations of --turns turns; the first prompt has
+Multi-turn chats (run_multi_turn): --conversations conversations of --turns turns; the first prompt has
 --first-len tokens, each later one the whole history (earlier prompts and answers) and
---turn-len new tokens; --output-len tokens an answer. A round submits every conversation's next
+--turn-len new tokens; --answer-len tokens an answer. A round submits every conversation's next
 turn at once. The GPU pool holds 1/--pressure of the final histories (their working set), and
 max_num_seqs sequences run at a time. The host tier off, then on (sized for the whole working
 set): hit rate, mean and p99 TTFT, wall time; the promotions' bytes, and the time of promoting
 one history's blocks against a plain pinned host-to-device copy of as many bytes.
-(b) Preemption under KV pressure: --requests requests of --first-len prompt and --output-len
-output tokens at once, in a pool that holds 1/--pressure of what they need; preemption_mode
+Preemption under KV pressure (run_preemption): --requests requests of --input-len prompt and
+--output-len output tokens at once, in a pool that holds 1/--pressure of what they need; preemption_mode
 "recompute", then "swap": throughput, preemptions, p50 / p99 request latency.
 """
 

@@ -2,7 +2,9 @@
 
 (a) 3 system prompts of 144 tokens x 3 rounds, each request adding 16 tokens of its own;
 (b) one 2,083-token shared prefix + 8 queries of 28-48 tokens;
-(c) no shared prefix at all: 64 requests of 256 random tokens.
+(c) no shared prefix at all: 64 requests of 256 random tokens;
+(d) (after them, from bench/offload.py) multi-turn chats whose histories outgrow the GPU pool,
+the KV cache's host tier off and on.
 TTFT (a max_tokens=1 request, one at a time) cold and warm with the cache on and off; wall time of
 each workload generating 32 tokens a request, on against off; hit rates; and the CPU time of
 PrefixCache match + insert for a 2,000-token prompt.
