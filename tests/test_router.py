@@ -139,6 +139,17 @@ def test_errors_models_health_and_nothing_held_afterwards(pd):
         assert m["picovllm:kv_blocks_held_for_pickup"] == 0 and m["picovllm:num_requests_running"] == 0
 
 
+def test_the_routers_page_and_its_dashboard_of_instances(pd):
+    router, prefill, decode, _ = pd
+    assert "Pico-vLLM" in httpx.get(router + "/").text
+    instances = httpx.get(router + "/stats").json()["instances"]
+    assert [(i["url"], i["role"], i["model"]) for i in instances] == [
+        (prefill, "prefill", MODEL),
+        (decode, "decode", MODEL),
+    ]
+    assert all(i["now"]["kv_usage"] >= 0 and "series" in i for i in instances)
+
+
 def test_an_unreachable_instance_is_a_502(tiny_qwen):
     app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
     url, stop = serve_in_thread(app)

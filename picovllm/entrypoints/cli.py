@@ -210,10 +210,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
     _say(f"loading {args.model or DEFAULT_MODEL}...")
     engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
-    app = build_app(engine, args.served_model_name or args.model or DEFAULT_MODEL, args.api_key, defaults)
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    app = build_app(engine, name, args.api_key, defaults, web_ui=not args.disable_web_ui)
     _say(
-        f"serving on http://{args.host}:{args.port} (Ctrl-C stops it; open streams get "
-        f"{GRACEFUL_SHUTDOWN_S} s to finish; SIGTERM drains)"
+        f"serving on http://{args.host}:{args.port}{'' if args.disable_web_ui else ' (open it for the chat page)'} "
+        f"(Ctrl-C stops it; open streams get {GRACEFUL_SHUTDOWN_S} s to finish; SIGTERM drains)"
     )
     with frozen_heap():
         try:
@@ -226,7 +227,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_router(args: argparse.Namespace) -> int:
     from picovllm.entrypoints.router import build_router_app
 
-    app = build_router_app(args.prefill, args.decode)
+    app = build_router_app(args.prefill, args.decode, web_ui=not args.disable_web_ui)
     _say(
         f"routing on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}"
         " (SIGTERM drains)"
@@ -293,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=port, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    serve.add_argument("--disable-web-ui", action="store_true", help="no page at / (the chat playground and dashboard)")
     serve.add_argument(
         "--log-level",
         default="info",
@@ -344,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode instance")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     router.add_argument("--port", type=port, default=8000, help="port (default 8000)")
+    router.add_argument(
+        "--disable-web-ui", action="store_true", help="no page at / (chat and the instances' dashboard)"
+    )
     router.set_defaults(func=_cmd_router, parser=router)
 
     models = sub.add_parser("models", help="list built-in models")

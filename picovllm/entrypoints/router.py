@@ -25,6 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from picovllm.entrypoints.web import mount_web_ui
+
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -61,7 +63,7 @@ class _Unreachable(Exception):
         super().__init__(f"the {instance.role} instance {instance.url} is unreachable: {type(error).__name__}: {error}")
 
 
-def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
+def build_router_app(prefill_urls: list[str], decode_urls: list[str], web_ui: bool = True) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("the router needs at least one --prefill and one --decode instance")
     prefill, decode = _Pool(prefill_urls, "prefill"), _Pool(decode_urls, "decode")
@@ -150,6 +152,20 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def stats() -> dict:
+        """Each instance's /stats (the dashboard; an instance that does not answer: its error)."""
+        instances = prefill.instances + decode.instances
+
+        async def one(i: _Instance) -> dict:
+            try:
+                async with session["s"].get(i.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    return {"url": i.url, **(await r.json())}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                return {"url": i.url, "error": str(_Unreachable(i, e))}
+
+        return {"instances": list(await asyncio.gather(*(one(i) for i in instances)))}
+
+    mount_web_ui(app, stats, web_ui)
     return app
 
 

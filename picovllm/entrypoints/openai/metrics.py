@@ -83,6 +83,28 @@ class ServerMetrics:
         if "kv_transfer_time_buckets" in m:
             self.transfer_time.counts, self.transfer_time.sum = m["kv_transfer_time_buckets"], m["kv_transfer_time_sum"]
 
+    def snapshot(self, m: dict) -> dict:
+        """What the dashboard plots (entrypoints/web), from the engine's metrics m and these counters."""
+        value = self.registry.get_sample_value
+        finished = sum(
+            s.value for metric in self.requests.collect() for s in metric.samples if s.name.endswith("_total")
+        )
+        host = m.get("kv_offload_blocks_total")
+        return {
+            "running": m["num_running"],
+            "waiting": m["num_waiting"],
+            "kv_usage": 1 - m["kv_blocks_free"] / m["kv_blocks_total"],
+            "hit_rate": m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1),
+            "host_usage": 1 - m["kv_offload_blocks_free"] / host if host else None,
+            "preemptions": m["num_preemptions"],
+            "requests": finished,
+            "generation_tokens": value("picovllm:generation_tokens_total") or 0.0,
+            "ttft_sum": value("picovllm:time_to_first_token_seconds_sum") or 0.0,
+            "ttft_count": value("picovllm:time_to_first_token_seconds_count") or 0.0,
+            "itl_sum": value("picovllm:inter_token_latency_seconds_sum") or 0.0,
+            "itl_count": value("picovllm:inter_token_latency_seconds_count") or 0.0,
+        }
+
     def track(self) -> RequestTracker:
         return RequestTracker(self)
 

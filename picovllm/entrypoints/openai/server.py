@@ -22,6 +22,7 @@ from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.routers import admin, chat, completions, tokenize
 from picovllm.entrypoints.openai.serving import APIError, ServerState, authorize
+from picovllm.entrypoints.web import StatsHistory, mount_web_ui
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
@@ -60,13 +61,18 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     sampling_defaults: dict | None = None,
+    web_ui: bool = True,
 ) -> FastAPI:
+    """The server's app; web_ui: the page at / (entrypoints/web), with the dashboard's /stats
+    (served either way)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if isinstance(engine, EngineProcess):  # its steps are read on this loop from the start
             engine.attach()
-        yield
-        await _pickups(engine)
+        async with history.sampling():
+            yield
+            await _pickups(engine)
 
     app = FastAPI(title="Pico-vLLM OpenAI-compatible server", lifespan=lifespan)
     metrics = ServerMetrics()
@@ -83,6 +89,8 @@ def build_app(
     app.include_router(v1)
     app.include_router(admin.router)
     app.include_router(tokenize.router)
+    history = StatsHistory(lambda: metrics.snapshot(engine.get_metrics()))
+    mount_web_ui(app, lambda: {"model": served_model_name, "role": engine.kv_role, **history.stats()}, web_ui)
     return app
 
 

@@ -67,7 +67,7 @@ async def chat(req: ChatCompletionRequest, state: State):
         "created": created,
         "model": state.served_model_name,
         "choices": choices,
-        "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+        "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
         **({"kv_transfer_params": out.kv_transfer_params} if out.kv_transfer_params is not None else {}),
     }
 
@@ -100,10 +100,10 @@ async def _stream(
 
     templates = EventTemplates(chunk)
     tracker, done = state.metrics.track(), set()
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     async for out in stream:
         tracker.update(out)
-        prompt_tokens = len(out.prompt_token_ids)
+        prompt_tokens, cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
         for c in new_completions(out, done):
             completion_tokens += len(c.token_ids)
             if not req.logprobs and c.finish_reason is None:
@@ -116,4 +116,4 @@ async def _stream(
                     c.finish_reason,
                 )
     if include_usage:
-        yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -47,11 +47,12 @@ async def completions(req: CompletionRequest, state: State):
     created = int(time.time())
     if req.stream:
         return sse(_stream(streams, req, params.n, rid, created, state))
-    choices, prompt_tokens, completion_tokens, kv_transfer_params = [], 0, 0, None
+    choices, prompt_tokens, completion_tokens, cached_tokens, kv_transfer_params = [], 0, 0, 0, None
     for i, stream in enumerate(streams):
         out = await collect(stream, state.metrics.track())
         kv_transfer_params = out.kv_transfer_params
         prompt_tokens += len(out.prompt_token_ids)
+        cached_tokens += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             text = c.text
@@ -72,14 +73,14 @@ async def completions(req: CompletionRequest, state: State):
         "created": created,
         "model": state.served_model_name,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else {}),
     }
 
 
 async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: int, state: ServerState):
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     model = state.served_model_name
 
     def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
@@ -123,6 +124,7 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
                     )
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
+                cached_tokens += out.num_cached_tokens
     if include_usage:
         yield {
             "id": rid,
@@ -130,5 +132,5 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
             "created": created,
             "model": model,
             "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         }
