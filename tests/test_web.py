@@ -177,3 +177,15 @@ def test_disable_web_ui_leaves_the_api(tiny_qwen):
     finally:
         stop()
         engine.shutdown()
+
+
+def test_markdown_is_rendered_from_escaped_text(servers, browser):
+    _open(browser, servers[0])
+    html = browser.execute_script(
+        "return markdown(arguments[0])",
+        "# Title\nSome **bold** and `code`.\n\n- one\n- two\n\n```python\nprint('<b>')\n```\n<script>alert(1)</script>",
+    )
+    assert "<h3>Title</h3>" in html and "<strong>bold</strong>" in html and "<code>code</code>" in html
+    assert "<ul><li>one</li><li>two</li></ul>" in html
+    assert "<pre><code>print('&lt;b&gt;')</code></pre>" in html
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
