@@ -119,6 +119,11 @@ class _Background:
     def _send(self, cmd: tuple) -> None:
         raise NotImplementedError
 
+    @property
+    def num_open_requests(self) -> int:
+        """Requests started and not finished (their streams open)."""
+        return len(self._streams)
+
     def get_metrics(self) -> dict[str, int]:
         raise NotImplementedError
 

@@ -48,6 +48,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("picovllm:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("picovllm:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("picovllm:request_success", "Finished requests.", ["finished_reason"], registry=r)
+        self.rejected = Counter(
+            "picovllm:request_rejected", "Requests refused (503) because max_num_waiting were waiting.", registry=r
+        )
         self.ttft = Histogram(
             "picovllm:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
         )

@@ -1,22 +1,41 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra sampling fields."""
+"""Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra sampling fields.
+
+Wire types are strict, as OpenAI's API is: no integer from a string or a float, no boolean from
+0 or 1, no number from true (an integer is a number); a rejection is a 400 naming the field.
+Unknown top-level fields are accepted and ignored, as vLLM does (each name logged once).
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from picovllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("picovllm")
+_STRICT = ConfigDict(strict=True)
+_ignored_fields: set[str] = set()  # (logged once each)
+
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat; None means the server's default."""
 
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as vLLM does
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields are ignored, as vLLM does
+
+    @model_validator(mode="after")
+    def _log_ignored(self):
+        for name in (self.model_extra or {}).keys() - _ignored_fields:
+            _ignored_fields.add(name)
+            logger.info("request field %r is not one this server knows: ignored", name)
+        return self
 
     model: str | None = None
     max_tokens: int | None = None
@@ -81,7 +100,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -101,12 +120,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+
     model: str | None = None
     tokens: list[int]

@@ -2,7 +2,9 @@
 (routers/: completions, chat, tokenize, admin).
 
 Errors are OpenAI error JSON: 400 for invalid parameters, 401 without the API key, 404 for an
-unknown model. A streaming client that disconnects aborts its request, which frees its blocks.
+unknown model, 503 with Retry-After when max_num_waiting requests wait already, and 500
+(internal_error) for anything that escapes a route (its traceback logged). A streaming client
+that disconnects aborts its request, which frees its blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
 
 
 async def _api_error(_, exc: APIError) -> JSONResponse:
-    return _error(exc.status, exc.message, exc.type, exc.param)
+    response = _error(exc.status, exc.message, exc.type, exc.param)
+    response.headers.update(exc.headers)
+    return response
+
+
+async def _internal_error(_, exc: Exception) -> JSONResponse:
+    """What escaped a route: an OpenAI error, never a bare 500 (uvicorn logs the traceback)."""
+    return _error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
 async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
@@ -41,8 +50,16 @@ async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
         return _error(
             400, f"invalid JSON in the request body: {first.get('ctx', {}).get('error', exc)}", "BadRequestError"
         )
-    param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+    param = _param(first.get("loc", ())[1:])
     return _error(400, f"invalid request: {param}: {first.get('msg', exc)}", "BadRequestError", param)
+
+
+def _param(loc: tuple) -> str | None:
+    """The dotted path of the field (list indices included), without the union members pydantic
+    names on the way ('list[int]', 'str', ...: no field is called that)."""
+    union_members = {"str", "int", "float", "bool", "list", "dict", "none"}
+    parts = [str(x) for x in loc if isinstance(x, int) or (x.isidentifier() and x not in union_members)]
+    return ".".join(parts) or None
 
 
 async def _pickups(engine: AsyncEngine | EngineProcess) -> None:
@@ -62,9 +79,10 @@ def build_app(
     api_key: str | None = None,
     sampling_defaults: dict | None = None,
     web_ui: bool = True,
+    max_num_waiting: int | None = None,
 ) -> FastAPI:
     """The server's app; web_ui: the page at / (entrypoints/web), with the dashboard's /stats
-    (served either way)."""
+    (served either way); max_num_waiting: requests that may wait for the engine (None: no bound)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,8 +95,11 @@ def build_app(
     app = FastAPI(title="Pico-vLLM OpenAI-compatible server", lifespan=lifespan)
     metrics = ServerMetrics()
     engine.on_step = metrics.on_step
-    app.state.server = ServerState(engine, served_model_name, api_key, sampling_defaults or {}, metrics)
+    app.state.server = ServerState(
+        engine, served_model_name, api_key, sampling_defaults or {}, metrics, max_num_waiting
+    )
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(Exception, _internal_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     # The key is checked by a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware
     # relays every streamed chunk through a task and a memory stream, which cost more than the

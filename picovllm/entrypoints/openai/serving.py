@@ -24,9 +24,20 @@ from picovllm.sampling_params import SamplingParams
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "BadRequestError",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers or {}
+
+
+RETRY_AFTER_S = 1  # what a request refused for a full queue is told to wait
 
 
 @dataclass
@@ -36,6 +47,7 @@ class ServerState:
     api_key: str | None
     sampling_defaults: dict
     metrics: ServerMetrics
+    max_num_waiting: int | None = None
 
     @property
     def tokenizer(self):
@@ -62,7 +74,17 @@ class ServerState:
     async def start(
         self, prompt, params: SamplingParams, request_id: str, kv_transfer_params: dict | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Validate a prompt (400 on bad input) and start generating: the request's outputs."""
+        """Validate a prompt (400 on bad input) and start generating: the request's outputs
+        (503 when max_num_waiting requests are waiting already)."""
+        waiting = self.engine.num_open_requests - self.engine.get_metrics().get("num_running", 0)
+        if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
+            self.metrics.rejected.inc()
+            raise APIError(
+                503,
+                f"{waiting} requests are waiting already (--max-num-waiting {self.max_num_waiting}): retry later",
+                "ServiceUnavailableError",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         try:
             text, ids = await self.engine.validate(prompt, params, kv_transfer_params)
         except ValueError as e:

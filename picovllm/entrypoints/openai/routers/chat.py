@@ -24,8 +24,15 @@ router = APIRouter()
 
 
 def chat_text(tokenizer, messages, add_generation_prompt: bool) -> str:
+    """The conversation through the model's chat template (400 when there is none, or the
+    template refuses the conversation)."""
+    if not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template", param="messages")
     conv = [{"role": m.role, "content": m.text()} for m in messages]
-    return tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # the template raises its own errors on malformed conversations
+        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
 
 
 @router.post("/chat/completions")
@@ -33,12 +40,7 @@ async def chat(req: ChatCompletionRequest, state: State):
     state.check_model(req.model)
     state.need_tokenizer()
     tokenizer = state.tokenizer
-    if not tokenizer.chat_template:
-        raise APIError(400, "this model has no chat template", param="messages")
-    try:
-        text = chat_text(tokenizer, req.messages, req.add_generation_prompt)
-    except Exception as e:  # the template raises its own errors on malformed conversations
-        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+    text = chat_text(tokenizer, req.messages, req.add_generation_prompt)
     prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # OpenAI's default: as long as the context allows
