@@ -9,6 +9,10 @@ from dataclasses import dataclass
 _GREEDY_EPS = 1e-5
 
 
+MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (vLLM's max_logprobs default)
+MAX_N = 256  # the most completions of one prompt (each a sequence of its own: vLLM's max_num_seqs default)
+
+
 class RequestOutputKind(enum.Enum):
     """When LLMEngine.step() reports a request (vLLM's names)."""
 
@@ -63,7 +67,7 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         need(
             isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "must be a number >= 0"
         )
@@ -102,9 +106,9 @@ class SamplingParams:
             f"must be <= max_tokens ({self.max_tokens})",
         )
         need(
-            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
-            "must be an integer >= 0 or None",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or None",
         )
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")

@@ -3,6 +3,7 @@ and the bounded waiting queue (503 with Retry-After)."""
 
 import asyncio
 import logging
+import time
 
 import httpx
 import pytest
@@ -39,6 +40,10 @@ def server(tiny_qwen):
         ("/detokenize", {"tokens": ["1", "2"]}, "tokens.0"),
         ("/tokenize", {"messages": []}, "messages"),
         ("/tokenize", {"prompt": 7}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": [10**6]}, "prompt"),  # (out of the vocabulary)
+        ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 10**6}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 10**6}, "max_tokens"),
     ],
 )
 def test_a_wrongly_typed_field_is_a_400_naming_it(server, path, body, param):
@@ -80,22 +85,34 @@ def test_an_exception_escaping_a_route_is_an_openai_500(server, monkeypatch):
 
 
 def test_beyond_max_num_waiting_a_request_gets_503_and_retry_after(tiny_qwen):
-    engine = AsyncEngine(make_llm(tiny_qwen[0], max_num_seqs=1, max_model_len=256).llm_engine)
+    """One sequence runs at a time and two may wait: with three streams open, a fourth request is
+    refused; once they are done, requests are taken again."""
+    engine = AsyncEngine(make_llm(tiny_qwen[0], max_num_seqs=1, max_model_len=1024).llm_engine)
     url, stop = serve_in_thread(build_app(engine, "tiny", max_num_waiting=2))
-    long = {**COMPLETION, "max_tokens": 60, "ignore_eos": True}
+    long = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True, "stream": True}  # (seconds on the CPU)
 
-    async def burst():
-        async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(client.post(url + "/v1/completions", json=long) for _ in range(8)))
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            streams = [client.stream("POST", "/v1/completions", json=long) for _ in range(3)]
+            responses = [await s.__aenter__() for s in streams]
+            assert [r.status_code for r in responses] == [200, 200, 200]
+            lines = responses[0].aiter_lines()  # (kept: a dropped iterator closes its stream)
+            await lines.__anext__()  # (the first one runs)
+            while engine.get_metrics()["num_waiting"] < 2:  # (and the engine has the other two)
+                await asyncio.sleep(0.01)
+            refused = await client.post("/v1/completions", json=COMPLETION)
+            for s in streams:
+                await s.__aexit__(None, None, None)  # (disconnect: they are aborted)
+            return refused
 
     try:
-        answers = asyncio.run(burst())
-        codes = sorted(a.status_code for a in answers)
-        assert codes.count(200) >= 3 and codes.count(503) >= 1 and set(codes) == {200, 503}
-        refused = next(a for a in answers if a.status_code == 503)
-        assert refused.headers["retry-after"] == "1" and refused.json()["error"]["type"] == "ServiceUnavailableError"
-        metrics = httpx.get(url + "/metrics").text
-        assert f"picovllm:request_rejected_total {float(codes.count(503))}" in metrics
+        refused = asyncio.run(scenario())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "picovllm:request_rejected_total 1.0" in httpx.get(url + "/metrics").text
+        deadline = time.monotonic() + 10
+        while engine.num_open_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30).status_code == 200  # (room again)
     finally:
         stop()

@@ -72,7 +72,12 @@ class ServerState:
             raise APIError(400, str(e), param=str(e).split()[0]) from None
 
     async def start(
-        self, prompt, params: SamplingParams, request_id: str, kv_transfer_params: dict | None = None
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str,
+        kv_transfer_params: dict | None = None,
+        prompt_param: str = "prompt",
     ) -> AsyncIterator[RequestOutput]:
         """Validate a prompt (400 on bad input) and start generating: the request's outputs
         (503 when max_num_waiting requests are waiting already)."""
@@ -88,9 +93,16 @@ class ServerState:
         try:
             text, ids = await self.engine.validate(prompt, params, kv_transfer_params)
         except ValueError as e:
-            param = "kv_transfer_params" if str(e).startswith("kv_transfer_params") else None
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=_prompt_error_param(str(e), prompt_param)) from None
         return self.engine.generate(request_id, text, ids, params, kv_transfer_params)
+
+
+def _prompt_error_param(message: str, prompt_param: str) -> str:
+    """The field a prompt's validation error (engine/input_processor.py) is about."""
+    for field in ("kv_transfer_params", "max_tokens", "stop"):
+        if message.startswith(field) or f"+ {field} " in message or message.startswith(f"{field} strings"):
+            return field
+    return prompt_param
 
 
 def server_state(request: Request) -> ServerState:
