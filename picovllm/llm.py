@@ -112,7 +112,10 @@ class LLM:
                     raise RuntimeError(
                         f"requests {sorted(pending)} vanished from the engine (was it stepped from another thread?)"
                     )
-                for out in engine.step():
+                outputs = engine.step()
+                if failed := engine.take_failed():  # (a step raised: the others are aborted below)
+                    raise RuntimeError(f"request {failed[0][0]} failed: {failed[0][1]}")
+                for out in outputs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         finished[out.request_id] = out

@@ -117,3 +117,91 @@ def test_beyond_max_num_waiting_a_request_gets_503_and_retry_after(tiny_qwen):
     finally:
         stop()
         engine.shutdown()
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_qwen):
+    """An injected error in one step (the executor raises once): the requests that were running
+    end, a stream with an error event and a plain request with a 500; their blocks are free; the
+    next requests are served."""
+    llm = make_llm(tiny_qwen[0], max_model_len=512)
+    executor, real_run, armed = llm.llm_engine.executor, llm.llm_engine.executor.run, []
+
+    def run(*args, **kwargs):
+        if armed:
+            armed.clear()
+            raise RuntimeError("injected")
+        return real_run(*args, **kwargs)
+
+    executor.run = run
+    engine = AsyncEngine(llm.llm_engine)
+    url, stop = serve_in_thread(build_app(engine, "tiny"))
+    long = {**COMPLETION, "max_tokens": 400, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+                lines = r.aiter_lines()
+                assert (await lines.__anext__()).startswith("data: ")  # (running)
+                plain = asyncio.create_task(client.post("/v1/completions", json=long))
+                while llm.llm_engine.get_metrics()["num_running"] < 2:
+                    await asyncio.sleep(0.01)
+                armed.append(True)
+                events = [line async for line in lines if line.startswith("data: ")]
+            return events, await plain
+
+    try:
+        events, plain = asyncio.run(scenario())
+        assert "the step failed: RuntimeError: injected" in events[-1] and '"error"' in events[-1]
+        assert plain.status_code == 500 and "injected" in plain.json()["error"]["message"]
+        m = llm.llm_engine.get_metrics()
+        assert m["num_running"] == m["num_waiting"] == 0 and m["kv_blocks_free"] == m["kv_blocks_total"]
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+    finally:
+        stop()
+        engine.shutdown()
+    armed.append(True)  # offline: generate raises, and the engine still serves the next call
+    with pytest.raises(RuntimeError, match="the step failed: RuntimeError: injected"):
+        llm.generate("Hi", use_tqdm=False)
+    assert llm.generate("Hi", use_tqdm=False)[0].outputs[0].text
+
+
+def test_when_the_engine_process_dies_streams_end_with_an_error_and_serve_exits_1(tiny_qwen):
+    """`picovllm serve` with its engine in a process of its own: the engine killed mid-stream, the
+    stream ends with an error event, /health is 503 (while the server is still there), and the
+    server exits with 1 within seconds."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "serve", tiny_qwen[0], "--dtype", "float32"]
+    proc = subprocess.Popen([*cli, "--device", "cpu", "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            (engine,) = [p for p in psutil.Process(proc.pid).children() if "spawn" in " ".join(p.cmdline())]
+            engine.send_signal(signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert '"error"' in events[-1] and "engine" in events[-1]
+        assert proc.wait(timeout=20) == 1
+        assert "the engine has stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -26,7 +26,7 @@ from picovllm.engine.input_processor import PromptType, eos_token_ids, load_toke
 from picovllm.engine.kv_handoff import KVHandoff, check_kv_transfer_params
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
-from picovllm.executor.executor import Executor
+from picovllm.executor.executor import Executor, WorkerError
 from picovllm.kernels import triton_utils
 from picovllm.model.loader.model_loader import resolve_model
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -175,6 +175,7 @@ class LLMEngine:
         self._inflight: _Step | None = None  # a step launched ahead, its tokens not read yet
         self.num_launched_ahead = self.num_dropped_ahead = 0  # steps launched ahead; tokens they computed in vain
         self._arrivals = itertools.count()
+        self.failed: list[tuple[str, str]] = []  # (request id, why): see step
         self._auto_ids = itertools.count()
 
     def _capture_graphs(self) -> float | None:
@@ -274,6 +275,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward; return the outputs of the requests that changed (for streaming).
 
+        A step that raises (other than a tensor-parallel worker gone: that is the engine's end)
+        fails the requests that were running, which take_failed() then reports, and the engine
+        goes on with the others (see _fail_running).
+
         With async_scheduling, a step launches the next one before reading its own tokens (see
         _launch_ahead): the next step's inputs take those tokens on the device, so the GPU has
         its next step queued while the host processes this one. A request that stops meanwhile
@@ -282,6 +287,33 @@ class LLMEngine:
         host_time_s accumulates the time the CPU spends in steps other than waiting for the
         device (on a GPU the forward is launched asynchronously and waited for at the one
         device-to-host copy of the sampled tokens)."""
+        try:
+            return self._step()
+        except WorkerError:
+            raise
+        except Exception as e:
+            logger.exception("a step failed: the requests that were running fail, the others go on")
+            self._fail_running(f"the step failed: {type(e).__name__}: {e}")
+            return []
+
+    def _fail_running(self, message: str) -> None:
+        """Finish every running request (their groups) as failed, with `message`, and drop the
+        prefix cache: the failed step's blocks were in the tree before their KV was computed."""
+        self._inflight, self._last_sampling = None, None
+        for req in list(self.scheduler.running):
+            group = self.groups.pop(req.parent_id, None)
+            for child in group.children if group else [req]:
+                self.scheduler.finish(child, "abort")
+            self.failed.append((req.parent_id, message))
+        self.model_runner.free_requests(self.scheduler.take_finished_ids())
+        self.scheduler.cache.reset()
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests failed since the last call (a step that raised)."""
+        failed, self.failed = self.failed, []
+        return list(dict(failed).items())
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.kv_handoff is not None:
             self.kv_handoff.end_leases()

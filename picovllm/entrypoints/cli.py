@@ -22,24 +22,36 @@ GRACEFUL_SHUTDOWN_S = 5  # what open streams get to finish after Ctrl-C before t
 DRAIN_S = 300  # what in-flight requests get to finish after SIGTERM (no new connection is taken)
 
 
-def _serve_http(app, host: str, port: int, log_level: str) -> None:
+def _serve_http(app, host: str, port: int, log_level: str, engine=None) -> bool:
     """uvicorn, stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or draining on SIGTERM:
     it stops taking connections, and the requests in flight finish (within DRAIN_S); a prefill
-    instance then also waits for its held KV to be pulled or its leases to end (server.py)."""
+    instance then also waits for its held KV to be pulled or its leases to end (server.py).
+    With an engine, it also stops when the engine has died (its streams ended with the error):
+    returns False then, True when told to stop."""
     import signal
 
     import uvicorn
 
     class Server(uvicorn.Server):
+        engine_died = False
+
         def handle_exit(self, sig, frame) -> None:
             if sig == signal.SIGTERM:
                 self.config.timeout_graceful_shutdown = DRAIN_S
             super().handle_exit(sig, frame)
 
+        async def on_tick(self, counter: int) -> bool:
+            if engine is not None and engine.error is not None and not self.engine_died:
+                _say(f"the engine has stopped ({engine.error!r}): the server stops")
+                self.engine_died = True
+            return self.engine_died or await super().on_tick(counter)
+
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
     )
-    Server(config).run()
+    server = Server(config)
+    server.run()
+    return not server.engine_died
 
 
 def _say(text: str) -> None:
@@ -220,10 +232,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     with frozen_heap():
         try:
-            _serve_http(app, args.host, args.port, args.log_level)
+            stopped = _serve_http(app, args.host, args.port, args.log_level, engine)
         finally:
             engine.shutdown()
-    return 0
+    return 0 if stopped else 1  # (1: the engine died)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:

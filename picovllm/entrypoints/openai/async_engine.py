@@ -44,7 +44,16 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -
         q.put_nowait(out)
 
 
-class EngineDeadError(RuntimeError):
+class EngineError(RuntimeError):
+    """A request that cannot finish: the engine is gone (EngineDeadError), or the step it was in
+    failed (RequestFailedError)."""
+
+
+class EngineDeadError(EngineError):
+    pass
+
+
+class RequestFailedError(EngineError):
     pass
 
 
@@ -71,6 +80,7 @@ def engine_loop(
     engine: LLMEngine,
     next_command: Callable[[float | None], tuple | None],
     publish: Callable[[list[RequestOutput]], None],
+    fail: Callable[[list[tuple[str, str]]], None],
 ) -> None:
     """Apply commands and step while anything is unfinished, publishing each step's outputs
     (and, when idle, an empty list: the metrics after aborts that left nothing to step).
@@ -95,6 +105,8 @@ def engine_loop(
             wait = 0
         if engine.has_unfinished_requests():
             publish(engine.step())
+            if failed := engine.take_failed():  # (a step that raised: its requests, and why)
+                fail(failed)
         elif engine.kv_busy:
             engine.step()  # (releases and expired leases)
 
@@ -158,6 +170,9 @@ class _Background:
         try:
             while True:
                 item = await stream.queue.get()
+                if isinstance(item, RequestFailedError):
+                    finished = True  # (the engine has finished it)
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine has stopped: {item!r}")
                 yield item
@@ -182,6 +197,13 @@ class _Background:
             loop.call_soon_threadsafe(_deliver, items)
         if self.on_step is not None:
             self.on_step(self, outputs)
+
+    def _fail_requests(self, failed: list[tuple[str, str]]) -> None:
+        """Requests whose step failed (the engine goes on): their streams end with the error."""
+        for request_id, why in failed:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestFailedError(why))
 
     def _fail(self, error: BaseException) -> None:
         """The engine is broken: fail every waiting stream, loudly."""
@@ -222,7 +244,7 @@ class AsyncEngine(_Background):
 
     def _run(self) -> None:
         try:
-            engine_loop(self.engine, self._next_command, self._deliver_step)
+            engine_loop(self.engine, self._next_command, self._deliver_step, self._fail_requests)
         except BaseException as e:
             self._fail(e)
             raise
@@ -269,9 +291,12 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     def publish(outs: list[RequestOutput]) -> None:
         outputs.send(("step", [_message(o) for o in outs], engine.get_metrics()))
 
+    def fail(failed: list[tuple[str, str]]) -> None:
+        outputs.send(("failed", failed))
+
     try:
         with frozen_heap():
-            engine_loop(engine, next_command, publish)
+            engine_loop(engine, next_command, publish, fail)
     except EOFError:  # the server went away
         return
     except BaseException as e:
@@ -366,6 +391,11 @@ class EngineProcess(_Background):
                 msg = self._outputs.recv()
                 if msg[0] == "error":
                     raise msg[1]
+                if msg[0] == "failed":
+                    for request_id, _ in msg[1]:
+                        self._prompts.pop(request_id, None)
+                    self._fail_requests(msg[1])
+                    continue
                 _, outs, self._metrics = msg
                 self._deliver_step([out for o in outs if (out := self._output(*o)) is not None])
         except EOFError:

@@ -17,7 +17,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError, EngineProcess
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess
 from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -148,7 +148,7 @@ async def collect(stream: AsyncIterator[RequestOutput], tracker: RequestTracker)
                     c.finish_reason,
                     c.stop_reason,
                 )
-    except EngineDeadError as e:
+    except EngineError as e:
         raise APIError(500, str(e), "InternalServerError") from None
     return RequestOutput(
         out.request_id,
@@ -180,7 +180,7 @@ def sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
-        except EngineDeadError as e:
+        except EngineError as e:
             error = {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}
             yield f"data: {json.dumps({'error': error})}\n\n"
             return
