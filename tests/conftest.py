@@ -49,3 +49,30 @@ def make_llm(path: str, **kwargs):
     from picovllm import LLM
 
     return LLM(**engine_args(path, **kwargs))
+
+
+def start_cli_server(*args: str, timeout: float = 60):
+    """`picovllm ARGS --port P` in a process of its own, once its /health answers 200: (the
+    process, its URL). Its stderr is a pipe."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", *args, "--port", str(port)]
+    proc = subprocess.Popen(cli, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"picovllm {' '.join(args)} did not start: {proc.communicate()[1][-2000:]}")

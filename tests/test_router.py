@@ -286,26 +286,13 @@ def test_prefill_and_decode_with_other_tensor_parallel_sizes(tmp_path, arch, hea
 def test_sigterm_drains_the_router(pd):
     """SIGTERM: the router takes no new connection, the stream in flight finishes whole, then it exits."""
     import signal
-    import socket
-    import subprocess
-    import sys
     import threading
 
+    from conftest import start_cli_server
+
     _, prefill, decode, _ = pd
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "router", "--prefill", prefill, "--decode", decode]
-    proc = subprocess.Popen([*cli, "--port", str(port)], stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_cli_server("router", "--prefill", prefill, "--decode", decode)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         body = {"prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
         lines, started = [], threading.Event()
 

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import make_llm
+from conftest import make_llm, start_cli_server
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread
@@ -171,26 +171,11 @@ def test_when_the_engine_process_dies_streams_end_with_an_error_and_serve_exits_
     stream ends with an error event, /health is 503 (while the server is still there), and the
     server exits with 1 within seconds."""
     import signal
-    import socket
-    import subprocess
-    import sys
 
     import psutil
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "serve", tiny_qwen[0], "--dtype", "float32"]
-    proc = subprocess.Popen([*cli, "--device", "cpu", "--port", str(port)], stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_cli_server("serve", tiny_qwen[0], "--dtype", "float32", "--device", "cpu")
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         body = {"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

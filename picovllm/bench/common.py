@@ -14,7 +14,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rate(fn, amount: float, device: torch.device, reps: int) -> float:
+def measure_rate(fn, amount: float, device: torch.device, reps: int) -> float:
     """amount (of bytes, FLOPs...) per call of fn, per second: one call untimed, then reps timed."""
     fn()
     sync(device)
@@ -31,7 +31,7 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     nbytes = nbytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    return _rate(lambda: dst.copy_(src), 2 * nbytes, device, 20 if device.type == "cuda" else 5)
+    return measure_rate(lambda: dst.copy_(src), 2 * nbytes, device, 20 if device.type == "cuda" else 5)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -40,7 +40,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return _rate(lambda: a @ b, 2 * n**3, device, 20 if device.type == "cuda" else 3)
+    return measure_rate(lambda: a @ b, 2 * n**3, device, 20 if device.type == "cuda" else 3)
 
 
 def forward_flops(model: torch.nn.Module, num_new: int, num_cached: int) -> int:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from picovllm.bench.common import print_json, print_table, sync
+from picovllm.bench.common import measure_rate, print_json, print_table, sync
 from picovllm.sampling_params import SamplingParams
 
 
@@ -169,20 +169,11 @@ def _promotion_bandwidth(engine, num_blocks: int) -> dict[str, float]:
     nbytes = num_blocks * runner.kv_block_bytes()
     copy = [(False, list(range(num_blocks)), list(range(num_blocks)))]  # (the run is over: what they held is moot)
 
-    def timed(fn, reps=10):
-        fn()
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync(device)
-        return (time.perf_counter() - start) / reps
-
-    seconds = timed(lambda: runner.copy_blocks(copy))
+    promote = measure_rate(lambda: runner.copy_blocks(copy), nbytes, device, 10)  # (bytes/s)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    plain = timed(lambda: target.copy_(host, non_blocking=True))
-    return {"promote_ms": seconds * 1e3, "promote_gb_s": nbytes / seconds / 1e9, "h2d_gb_s": nbytes / plain / 1e9}
+    plain = measure_rate(lambda: target.copy_(host, non_blocking=True), nbytes, device, 10)
+    return {"promote_ms": nbytes / promote * 1e3, "promote_gb_s": promote / 1e9, "h2d_gb_s": plain / 1e9}
 
 
 def run_preemption(
