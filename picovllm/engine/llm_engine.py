@@ -149,7 +149,8 @@ class LLMEngine:
         self.max_model_len, self.max_num_batched_tokens = resolve_limits(
             config, max_model_len, num_blocks * config.block_size
         )
-        num_host_blocks = config.kv_offload_memory // self.model_runner.kv_block_bytes()
+        self.kv_block_bytes = self.model_runner.kv_block_bytes()  # (rank 0's: K and V of every layer)
+        num_host_blocks = config.kv_offload_memory // self.kv_block_bytes
         if config.kv_offload_memory and not num_host_blocks:
             raise ValueError(f"kv_offload_memory {config.kv_offload_memory} holds no KV block")
         self.executor.allocate_kv_cache(num_blocks, num_host_blocks)
@@ -166,8 +167,7 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
         if config.kv_role != "both":
-            block_bytes = self.model_runner.kv_block_bytes()
-            self.kv_handoff = KVHandoff(config, self.executor.kv_transfer, self.scheduler, block_bytes)
+            self.kv_handoff = KVHandoff(config, self.executor.kv_transfer, self.scheduler, self.kv_block_bytes)
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
         self.async_scheduling = config.async_scheduling
@@ -302,7 +302,9 @@ class LLMEngine:
         self._inflight, self._last_sampling = None, None
         for req in list(self.scheduler.running):
             group = self.groups.pop(req.parent_id, None)
-            for child in group.children if group else [req]:
+            if group is None:  # (a sibling running too: its group is failed already)
+                continue
+            for child in group.children:
                 self.scheduler.finish(child, "abort")
             self.failed.append((req.parent_id, message))
         self.model_runner.free_requests(self.scheduler.take_finished_ids())
@@ -311,7 +313,7 @@ class LLMEngine:
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, why) of the requests failed since the last call (a step that raised)."""
         failed, self.failed = self.failed, []
-        return list(dict(failed).items())
+        return failed
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -579,7 +581,6 @@ class LLMEngine:
         """The host tier's (kv_offload_memory): OFFLOAD_METRICS."""
         bm, cache = self.block_manager, self.scheduler.cache
         to_gpu, to_host = bm.copied_blocks
-        block_bytes = self.model_runner.kv_block_bytes()
         return {
             "prefix_cache_host_hit_tokens": cache.host_hit_tokens,
             "kv_offload_blocks_total": bm.host.num_blocks,
@@ -587,7 +588,7 @@ class LLMEngine:
             "kv_offload_demoted_blocks": cache.demoted_blocks,
             "kv_offload_promoted_blocks": cache.promoted_blocks,
             "kv_offload_evicted_blocks": cache.host_evicted_blocks,
-            "kv_offload_bytes_to_host": to_host * block_bytes,
-            "kv_offload_bytes_to_gpu": to_gpu * block_bytes,
+            "kv_offload_bytes_to_host": to_host * self.kv_block_bytes,
+            "kv_offload_bytes_to_gpu": to_gpu * self.kv_block_bytes,
             "num_swapped_out": self.scheduler.num_swapped_out,
         }

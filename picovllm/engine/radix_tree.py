@@ -113,7 +113,7 @@ class RadixTree:
         assert len(blocks) >= limit // bs
         node, pos = self._walk(tokens, limit, split=True)
         taken: list[int] = []
-        for n in self.path(node):  # (the host-only part of the path, at its end)
+        for n in self.path(node) if self.num_host_blocks else ():  # (the host-only part, at its end)
             if n.blocks is None:
                 n.blocks = blocks[n.start // bs : n.end // bs]
                 self.num_blocks += len(n.blocks)

@@ -78,8 +78,8 @@ class ServerMetrics:
         m = engine.get_metrics()
         self.running.set(m["num_running"])
         self.waiting.set(m["num_waiting"])
-        self.kv_usage.set(1 - m["kv_blocks_free"] / m["kv_blocks_total"])
-        self.hit_rate.set(m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1))
+        self.kv_usage.set(_kv_usage(m))
+        self.hit_rate.set(_hit_rate(m))
         for name, gauge in self.engine_counts.items():
             if name in m:
                 gauge.set(m[name])
@@ -96,8 +96,8 @@ class ServerMetrics:
         return {
             "running": m["num_running"],
             "waiting": m["num_waiting"],
-            "kv_usage": 1 - m["kv_blocks_free"] / m["kv_blocks_total"],
-            "hit_rate": m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1),
+            "kv_usage": _kv_usage(m),
+            "hit_rate": _hit_rate(m),
             "host_usage": 1 - m["kv_offload_blocks_free"] / host if host else None,
             "preemptions": m["num_preemptions"],
             "requests": finished,
@@ -110,6 +110,14 @@ class ServerMetrics:
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
+
+
+def _kv_usage(m: dict) -> float:
+    return 1 - m["kv_blocks_free"] / m["kv_blocks_total"]
+
+
+def _hit_rate(m: dict) -> float:
+    return m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1)
 
 
 class _TransferTime:

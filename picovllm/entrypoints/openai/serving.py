@@ -81,15 +81,16 @@ class ServerState:
     ) -> AsyncIterator[RequestOutput]:
         """Validate a prompt (400 on bad input) and start generating: the request's outputs
         (503 when max_num_waiting requests are waiting already)."""
-        waiting = self.engine.num_open_requests - self.engine.get_metrics().get("num_running", 0)
-        if self.max_num_waiting is not None and waiting >= self.max_num_waiting:
-            self.metrics.rejected.inc()
-            raise APIError(
-                503,
-                f"{waiting} requests are waiting already (--max-num-waiting {self.max_num_waiting}): retry later",
-                "ServiceUnavailableError",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+        if self.max_num_waiting is not None:
+            waiting = self.engine.num_open_requests - self.engine.get_metrics().get("num_running", 0)
+            if waiting >= self.max_num_waiting:
+                self.metrics.rejected.inc()
+                raise APIError(
+                    503,
+                    f"{waiting} requests are waiting already (--max-num-waiting {self.max_num_waiting}): retry later",
+                    "ServiceUnavailableError",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
         try:
             text, ids = await self.engine.validate(prompt, params, kv_transfer_params)
         except ValueError as e:
@@ -100,7 +101,7 @@ class ServerState:
 def _prompt_error_param(message: str, prompt_param: str) -> str:
     """The field a prompt's validation error (engine/input_processor.py) is about."""
     for field in ("kv_transfer_params", "max_tokens", "stop"):
-        if message.startswith(field) or f"+ {field} " in message or message.startswith(f"{field} strings"):
+        if message.startswith(field) or f"+ {field} " in message:
             return field
     return prompt_param
 
