@@ -301,7 +301,9 @@ def test_serving_benchmark(server, tmp_path):
         save_dir=str(tmp_path),
         probe=probe,
     )
-    assert summary["failed"] == 0 and summary["requests"] == 12
+    assert summary["failed"] == summary["rejected_503"] == summary["server_errors"] == 0 and summary["requests"] == 12
+    after = summary["engine_after"]
+    assert (after["num_running"], after["num_waiting"], after["kv_blocks_held"]) == (0, 0, 0)
     assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"] > 0
     # the engine stepped at least once per output token of a request, and is unwrapped again
     assert len(probe.starts) >= 6 and summary["engine_step_ms"]["p99"] >= summary["engine_step_ms"]["p50"] > 0

@@ -53,6 +53,29 @@ def test_a_wrongly_typed_field_is_a_400_naming_it(server, path, body, param):
     assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError"
 
 
+def test_a_bad_prompt_in_a_list_starts_none_of_them(server):
+    """The prompts of a request are validated before any starts: a bad second prompt leaves no
+    request in the engine; good ones start together (both stream at once, in one batch)."""
+    url, engine = server
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "prompt": [[5, 6], [10**6]]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert engine.num_open_requests == 0 and not engine.engine.has_unfinished_requests()
+    steps, on_step = [], engine.on_step
+
+    def record(e, outputs):
+        steps.append({out.request_id[-2:] for out in outputs})
+        on_step(e, outputs)
+
+    engine.on_step = record
+    try:
+        body = {**COMPLETION, "prompt": [[5, 6], [7, 8]], "max_tokens": 8, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    finally:
+        engine.on_step = on_step
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1] and engine.num_open_requests == 0
+    assert {"-0", "-1"} in steps  # (a step that carried both)
+
+
 def test_the_right_types_pass_and_unknown_fields_are_ignored_and_logged_once(server, caplog):
     url = server[0]
     with caplog.at_level(logging.INFO, logger="picovllm"):
@@ -117,6 +140,27 @@ def test_beyond_max_num_waiting_a_request_gets_503_and_retry_after(tiny_qwen):
     finally:
         stop()
         engine.shutdown()
+
+
+def test_the_serving_benchmark_counts_the_queues_503s(tiny_qwen):
+    """Six streams at once, one sequence running and one waiting at most: the others are refused;
+    the benchmark counts them as 503s (no other failure) and finds the engine empty afterwards."""
+    from picovllm.bench.serve import EngineProbe, run_serve_bench
+
+    engine = AsyncEngine(make_llm(tiny_qwen[0], max_num_seqs=1, max_model_len=256).llm_engine)
+    url, stop = serve_in_thread(build_app(engine, "tiny", max_num_waiting=1))
+    try:
+        summary = run_serve_bench(
+            url, "tiny", num_prompts=6, concurrency=6, input_len=8, output_len=40, vocab_size=300,
+            client_processes=1, probe=EngineProbe(engine),
+        )  # fmt: skip
+    finally:
+        stop()
+        engine.shutdown()
+    assert summary["requests"] == 6 and summary["server_errors"] == 0
+    assert summary["rejected_503"] >= 4 and summary["failed"] == summary["rejected_503"]
+    after = summary["engine_after"]
+    assert (after["num_running"], after["num_waiting"], after["kv_blocks_held"]) == (0, 0, 0)
 
 
 def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_qwen):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from picovllm.entrypoints.args import engine_kwargs, non_negative_int, positive_int
+from picovllm.entrypoints.args import engine_kwargs, max_num_waiting, non_negative_int, positive_int, queue_parser
 
 
 def _ints(s: str) -> list[int]:
@@ -93,7 +93,7 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
 
     srv = kinds.add_parser(
         "serve",
-        parents=[engine_parser],
+        parents=[engine_parser, queue_parser()],
         help="the HTTP server under streaming load",
         description="Streaming clients against /v1/completions: throughput, TTFT, TPOT, ITL. "
         "Without --base-url, starts a server in-process with the engine options.",
@@ -218,7 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
         name = name or args.model or "default"
         vocab = min(vocab, engine.vocab_size)
-        url, stop = serve_in_thread(build_app(engine, name, args.api_key))
+        url, stop = serve_in_thread(build_app(engine, name, args.api_key, max_num_waiting=max_num_waiting(args)))
     try:
         with frozen_heap() if stop is not None else contextlib.nullcontext():  # (as picovllm serve)
             run_serve_bench(

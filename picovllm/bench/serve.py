@@ -43,14 +43,14 @@ async def _one(session, url: str, headers: dict, body: bytes, prompt_len: int) -
     stamps = []
     async with session.post(url + "/v1/completions", data=body, headers=headers) as resp:
         if resp.status != 200:
-            return {"ok": False, "error": (await resp.text())[:200]}
+            return {"ok": False, "status": resp.status, "error": (await resp.text())[:200]}
         async for line in resp.content:  # (line by line)
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 json.loads(line[6:])
                 stamps.append(time.perf_counter())
     end = time.perf_counter()
     if not stamps:
-        return {"ok": False, "error": "no tokens"}
+        return {"ok": False, "status": 200, "error": "no tokens"}
     ttft = stamps[0] - start
     return {
         "ok": True,
@@ -153,6 +153,24 @@ class EngineProbe:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
         self._cpu = {k: clock() for k, clock in self._clocks.items()}
 
+    def settled(self, timeout_s: float = 10.0) -> dict:
+        """The engine once nothing runs or waits (the aborts of requests whose clients went away
+        reach it after they do), or after timeout_s: requests running and waiting, KV blocks held
+        (neither free nor only cached)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self._engine.get_metrics()
+            held = m["kv_blocks_total"] - m["kv_blocks_free"] - m["kv_blocks_cached"]
+            if (m["num_running"], m["num_waiting"], held) == (0, 0, 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return {
+            "num_running": m["num_running"],
+            "num_waiting": m["num_waiting"],
+            "kv_blocks_held": held,
+            "kv_blocks_total": m["kv_blocks_total"],
+        }
+
     def report(self) -> dict:
         """Stops probing (the engine's own on_step again) and returns the figures."""
         self._engine.on_step = self._inner
@@ -237,9 +255,13 @@ def run_serve_bench(
     elapsed = max(end for _, end in done) - start_at
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_len"] for r in ok)
+    rejected = sum(r.get("status") == 503 for r in results)  # (the server's queue was full: max_num_waiting)
+    server_errors = sum(r.get("status", 0) >= 500 for r in results) - rejected
     summary = {
         "requests": len(results),
         "failed": len(results) - len(ok),
+        "rejected_503": rejected,
+        "server_errors": server_errors,
         "seconds": elapsed,
         "request_s": len(ok) / elapsed,
         "output_tok_s": out_tokens / elapsed,
@@ -258,10 +280,20 @@ def run_serve_bench(
         for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
         if summary[key]
     ]
+    if probe is not None:
+        summary["engine_after"] = probe.settled()
     print(
         f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
-        f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s"
+        f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s; "
+        f"{rejected} refused with 503 (queue full), {server_errors} other 5xx, "
+        f"{summary['failed'] - rejected - server_errors} other failures"
     )
+    if probe is not None:
+        after = summary["engine_after"]
+        print(
+            f"engine afterwards: {after['num_running']} running, {after['num_waiting']} waiting, "
+            f"{after['kv_blocks_held']} of {after['kv_blocks_total']} KV blocks held"
+        )
     print_table(
         rows,
         [

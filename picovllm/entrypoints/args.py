@@ -156,6 +156,23 @@ def sampling_parser() -> argparse.ArgumentParser:
     return p
 
 
+def queue_parser() -> argparse.ArgumentParser:
+    """The server's bound on requests waiting for the engine (serve and bench serve)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--max-num-waiting",
+        type=positive_int,
+        default=None,
+        help="requests that may wait for the engine; beyond them a request gets 503 and Retry-After "
+        "(default 8 x --max-num-seqs)",
+    )
+    return p
+
+
+def max_num_waiting(args: argparse.Namespace) -> int:
+    return args.max_num_waiting if args.max_num_waiting is not None else 8 * args.max_num_seqs
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(
         model=args.model,

@@ -10,9 +10,10 @@ from picovllm import envs
 from picovllm.entrypoints.args import (
     engine_kwargs,
     engine_parser,
+    max_num_waiting,
     port,
     positive_float,
-    positive_int,
+    queue_parser,
     sampling_params,
     sampling_parser,
     sampling_values,
@@ -224,8 +225,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _say(f"loading {args.model or DEFAULT_MODEL}...")
     engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    max_waiting = args.max_num_waiting if args.max_num_waiting is not None else 8 * args.max_num_seqs
-    app = build_app(engine, name, args.api_key, defaults, web_ui=not args.disable_web_ui, max_num_waiting=max_waiting)
+    app = build_app(
+        engine, name, args.api_key, defaults, web_ui=not args.disable_web_ui, max_num_waiting=max_num_waiting(args)
+    )
     _say(
         f"serving on http://{args.host}:{args.port}{'' if args.disable_web_ui else ' (open it for the chat page)'} "
         f"(Ctrl-C stops it; open streams get {GRACEFUL_SHUTDOWN_S} s to finish; SIGTERM drains)"
@@ -297,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        parents=[engine, sampling],
+        parents=[engine, sampling, queue_parser()],
         help="OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics, /tokenize and /detokenize. Sampling options set the defaults "
@@ -309,13 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     serve.add_argument("--disable-web-ui", action="store_true", help="no page at / (the chat playground and dashboard)")
-    serve.add_argument(
-        "--max-num-waiting",
-        type=positive_int,
-        default=None,
-        help="requests that may wait for the engine; beyond them a request gets 503 and Retry-After "
-        "(default 8 x --max-num-seqs)",
-    )
     serve.add_argument(
         "--log-level",
         default="info",

@@ -19,8 +19,8 @@ import multiprocessing
 import queue
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
 from picovllm.engine.kv_handoff import check_kv_transfer_params
@@ -33,10 +33,42 @@ from picovllm.sampling_params import RequestOutputKind, SamplingParams
 STOP = ("stop",)
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+class RequestStream:
+    """A started request's outputs, iterated as the engine delivers them (async for). Whoever
+    starts a request closes its stream (close(): aborts the request unless it has finished);
+    iterating to the end closes it too."""
+
+    def __init__(self, engine: _Background, request_id: str):
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._engine, self._finished = engine, False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, RequestFailedError):
+            self._finish()  # (the engine has finished it)
+            raise item
+        if isinstance(item, BaseException):
+            self._finish()  # (the engine is gone: nothing to abort)
+            raise EngineDeadError(f"the engine has stopped: {item!r}")
+        if item.finished:
+            self._finish()
+        return item
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._engine._streams.pop(self.request_id, None)
+
+    def close(self) -> None:
+        if not self._finished:
+            self._finish()
+            self._engine.abort(self.request_id)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
@@ -126,7 +158,7 @@ class _Background:
     def __init__(self, on_step=None):
         self.on_step = on_step  # called after each step with (self, outputs): metrics
         self.error: BaseException | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
 
     def _send(self, cmd: tuple) -> None:
         raise NotImplementedError
@@ -151,38 +183,21 @@ class _Background:
             check_kv_transfer_params(kv_transfer_params, self.kv_role, self.block_size, ids, params.n)
         return text, ids
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         text: str | None,
         ids: list[int],
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the outputs of a validated prompt (see validate) as they change; aborts the
-        request if the consumer stops early."""
+    ) -> RequestStream:
+        """Start a validated prompt (see validate) now: its stream of outputs, as they change
+        (close it: see RequestStream)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        stream = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
+        stream = self._streams[request_id] = RequestStream(self, request_id)
         self._send(("add", request_id, text, ids, params, kv_transfer_params))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, RequestFailedError):
-                    finished = True  # (the engine has finished it)
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine has stopped: {item!r}")
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return stream
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

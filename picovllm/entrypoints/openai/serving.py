@@ -17,7 +17,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess, RequestStream
 from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -48,6 +48,7 @@ class ServerState:
     sampling_defaults: dict
     metrics: ServerMetrics
     max_num_waiting: int | None = None
+    validating: int = 0  # requests past the door, their prompts being validated (not streams yet)
 
     @property
     def tokenizer(self):
@@ -73,16 +74,18 @@ class ServerState:
 
     async def start(
         self,
-        prompt,
+        prompts: list,
         params: SamplingParams,
-        request_id: str,
+        request_ids: list[str],
         kv_transfer_params: dict | None = None,
         prompt_param: str = "prompt",
-    ) -> AsyncIterator[RequestOutput]:
-        """Validate a prompt (400 on bad input) and start generating: the request's outputs
-        (503 when max_num_waiting requests are waiting already)."""
+    ) -> list[RequestStream]:
+        """Validate the prompts (400 on bad input), then start generating all of them at once: their
+        streams (the caller closes them). 503 when max_num_waiting requests are waiting already:
+        started ones, and those between this door and the engine (validating)."""
         if self.max_num_waiting is not None:
-            waiting = self.engine.num_open_requests - self.engine.get_metrics().get("num_running", 0)
+            engine = self.engine
+            waiting = self.validating + engine.num_open_requests - engine.get_metrics().get("num_running", 0)
             if waiting >= self.max_num_waiting:
                 self.metrics.rejected.inc()
                 raise APIError(
@@ -91,11 +94,21 @@ class ServerState:
                     "ServiceUnavailableError",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
+        self.validating += len(prompts)
         try:
-            text, ids = await self.engine.validate(prompt, params, kv_transfer_params)
+            valid = [await self.engine.validate(p, params, kv_transfer_params) for p in prompts]
         except ValueError as e:
             raise APIError(400, str(e), param=_prompt_error_param(str(e), prompt_param)) from None
-        return self.engine.generate(request_id, text, ids, params, kv_transfer_params)
+        finally:
+            self.validating -= len(prompts)
+        # (no await from here on: the streams are open before another request passes the door)
+        try:
+            return [
+                self.engine.generate(rid, text, ids, params, kv_transfer_params)
+                for rid, (text, ids) in zip(request_ids, valid)
+            ]
+        except EngineError as e:  # (the engine is gone: nothing was started)
+            raise APIError(500, str(e), "InternalServerError") from None
 
 
 def _prompt_error_param(message: str, prompt_param: str) -> str:
@@ -120,7 +133,17 @@ async def authorize(request: Request) -> None:
         raise APIError(401, "invalid or missing API key", "AuthenticationError")
 
 
-async def collect(stream: AsyncIterator[RequestOutput], tracker: RequestTracker) -> RequestOutput:
+async def collect(streams: list[RequestStream], metrics: ServerMetrics) -> list[RequestOutput]:
+    """The final outputs of started requests (ServerState.start), one after another; closes
+    their streams (the rest are aborted when one fails)."""
+    try:
+        return [await _collect(stream, metrics.track()) for stream in streams]
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+async def _collect(stream: RequestStream, tracker: RequestTracker) -> RequestOutput:
     """A request's final output: each completion's DELTA outputs joined."""
     outputs: dict[int, CompletionOutput] = {}
     out = None
@@ -173,9 +196,26 @@ def new_completions(out: RequestOutput, done: set[int]):
         yield c
 
 
-def sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
-    """Server-Sent Events of the chunks: dicts, or events already serialised (EventTemplates). A
-    stream whose engine dies ends with an error event (OpenAI's error JSON, code 500)."""
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that closes the request streams it sends when it ends, however it ends
+    (its body sent, or the client gone, even before the body began)."""
+
+    def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(body, media_type="text/event-stream")
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.close()
+
+
+def sse(chunks: AsyncIterator[dict | str], streams: list[RequestStream]) -> StreamingResponse:
+    """Server-Sent Events of the chunks (made from the streams' outputs): dicts, or events already
+    serialised (EventTemplates). A stream whose engine dies ends with an error event (OpenAI's
+    error JSON, code 500). Closes the streams when the response ends."""
 
     async def body():
         try:
@@ -187,7 +227,7 @@ def sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
             return
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return _EventStream(body(), streams)
 
 
 class EventTemplates:

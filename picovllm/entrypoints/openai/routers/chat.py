@@ -48,11 +48,11 @@ async def chat(req: ChatCompletionRequest, state: State):
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = state.sampling_params(req, max_tokens, logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await state.start(prompt, params, rid, req.kv_transfer_params, prompt_param="messages")
+    streams = await state.start([prompt], params, [rid], req.kv_transfer_params, prompt_param="messages")
     created = int(time.time())
     if req.stream:
-        return sse(_stream(stream, req, params.n, params.logprobs, rid, created, state))
-    out = await collect(stream, state.metrics.track())
+        return sse(_stream(streams[0], req, params.n, params.logprobs, rid, created, state), streams)
+    (out,) = await collect(streams, state.metrics)
     choices = [
         {
             "index": c.index,

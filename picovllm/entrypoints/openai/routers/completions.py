@@ -43,13 +43,13 @@ async def completions(req: CompletionRequest, state: State):
     rid = f"cmpl-{uuid.uuid4().hex}"
     if req.kv_transfer_params is not None and len(prompts) != 1:
         raise APIError(400, "kv_transfer_params go with one prompt", param="kv_transfer_params")
-    streams = [await state.start(p, params, f"{rid}-{i}", req.kv_transfer_params) for i, p in enumerate(prompts)]
+    ids = [f"{rid}-{i}" for i in range(len(prompts))]
+    streams = await state.start(prompts, params, ids, req.kv_transfer_params)  # (all at once)
     created = int(time.time())
     if req.stream:
-        return sse(_stream(streams, req, params.n, rid, created, state))
+        return sse(_stream(streams, req, params.n, rid, created, state), streams)
     choices, prompt_tokens, completion_tokens, cached_tokens, kv_transfer_params = [], 0, 0, 0, None
-    for i, stream in enumerate(streams):
-        out = await collect(stream, state.metrics.track())
+    for i, out in enumerate(await collect(streams, state.metrics)):
         kv_transfer_params = out.kv_transfer_params
         prompt_tokens += len(out.prompt_token_ids)
         cached_tokens += out.num_cached_tokens
