@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: the CUDA tests, the standard benchmarks, and a short table at the end.
 # Usage, from the repository root on a CUDA machine: bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix serve pd (default: all of them; each fits a 10-minute call)
+#   stages: tests latency throughput prefix offload serve overload pd (default: all but pd; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
 #      HF_MODES (default "eager compiled": transformers at batch 1 beside the latency run),
 #      TREES="A B": each benchmark runs once per source tree, taking turns (an A/B of two checkouts).
@@ -31,7 +31,7 @@ bench() {  # bench NAME BENCHMARK [ARGS ...]: once per tree; the log of each in 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"
-for stage in ${*:-tests latency throughput prefix serve}; do
+for stage in ${*:-tests latency throughput prefix offload serve overload}; do
   echo "== $stage =="
   case $stage in
     tests) PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PICOVLLM_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider \
@@ -41,9 +41,16 @@ for stage in ${*:-tests latency throughput prefix serve}; do
                  $(for m in ${HF_MODES-eager compiled}; do printf -- "--hf %s " "$m"; done) ;;
     throughput) bench throughput throughput --max-model-len 4096 ;;
     prefix) bench prefix prefix ;;
+    offload) PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PICOVLLM_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider \
+                 tests/test_kv_offload.py tests/test_prefix_cache.py 2>&1 | tee "$OUT/offload_tests.log" | tail -5
+             bench preemption preemption ;;
     serve) bench offline64 latency --batch-sizes 64 --input-len 512 --output-len 128
            bench serve serve --concurrency 64 --input-len 512 --output-len 128 --max-num-batched-tokens 128 \
                --max-num-seqs 64 --save-dir "$OUT/serve" ;;
+    overload) OVERLOAD="--max-num-batched-tokens 512 --max-num-seqs 128 --max-num-waiting 64 --input-len 512 --output-len 128"
+              bench serve64 serve --concurrency 64 --num-prompts 1000 $OVERLOAD
+              bench serve256 serve --concurrency 256 --request-rate ${OVERLOAD_RATE:-400} \
+                  --num-prompts $((${OVERLOAD_RATE:-400} * 60)) $OVERLOAD ;;  # (a minute of arrivals above capacity)
     pd) export UCX_TLS=${UCX_TLS:-tcp,cuda_copy} UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}  # (NIXL between processes)
         PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PICOVLLM_TEST_DEVICE=cuda PICOVLLM_TEST_DTYPE=bfloat16 python3 -m pytest \
             -p no:cacheprovider ${PD_TESTS:-tests/test_disaggregation.py tests/test_router.py} 2>&1 \
@@ -64,6 +71,18 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
                       f"{x['decode_tok_s']:9.0f} tok/s {x['bw_frac']:6.1%} of copy bandwidth")
         elif r["benchmark"] == "throughput":
             print(f"{name:20s} {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s")
+        elif r["benchmark"] == "offload_multi_turn":
+            for tier in ("off", "on"):
+                x = r[tier]
+                print(f"{name:20s} multi-turn, host tier {tier:3s}: hit rate {x['hit_rate']:.1%}, TTFT mean "
+                      f"{x['ttft_ms']['mean']:.1f} p99 {x['ttft_ms']['p99']:.1f} ms, wall {x['wall_s']:.2f} s")
+            on = r["on"]
+            print(f"{name:20s} promotion {on['promote_gb_s']:.1f} GB/s against a pinned copy's {on['h2d_gb_s']:.1f}; "
+                  f"copies {on['copy_share']:.1%} of the wall time")
+        elif r["benchmark"] == "offload_preemption":
+            for x in r["results"]:
+                print(f"{name:20s} preemption {x['preemption_mode']:9s} {x['output_tok_s']:.0f} output tok/s, "
+                      f"latency p50 {x['latency_ms']['p50']:.0f} p99 {x['latency_ms']['p99']:.0f} ms")
         elif r["benchmark"] == "prefix":
             for x in r["results"]:
                 print(f"{name:20s} {x['scenario'][:2]} warm TTFT x{x['warm_ttft_speedup']:.2f}, "
@@ -78,5 +97,6 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
                       f"ITL p50 {s['itl_ms']['p50']:.2f} p99 {s['itl_ms']['p99']:.2f} ms")
         elif r["benchmark"] == "serve":
             print(f"{name:20s} {r['output_tok_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms, "
-                  f"ITL p50 {r['itl_ms']['p50']:.2f} p99 {r['itl_ms']['p99']:.2f} ms")
+                  f"ITL p50 {r['itl_ms']['p50']:.2f} p99 {r['itl_ms']['p99']:.2f} ms; {r['requests']} requests, "
+                  f"{r['rejected_503']} 503s, {r['server_errors']} other 5xx; after: {r.get('engine_after')}")
 PY

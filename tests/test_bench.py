@@ -96,6 +96,7 @@ def test_offload_multi_turn_and_preemption(tiny_qwen, capsys):
     assert chats["working_set_gb"] > 2.5 * chats["gpu_pool_gb"]  # (the pool holds 1/3 of the histories)
     assert chats["off"]["hit_rate"] == 0 and chats["on"]["hit_rate"] == chats["on"]["host_hit_rate"] > 0.3
     assert chats["on"]["promoted_gb"] > 0 and chats["on"]["promote_gb_s"] > 0 and chats["on"]["h2d_gb_s"] > 0
+    assert 0 < chats["on"]["copy_s"] < chats["on"]["wall_s"]  # (the copies timed, and a part of the run)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "offload_multi_turn"
     preemption = run_preemption(kwargs, requests=6, prompt_len=30, output_len=20, pressure=3.0)
     recompute, swap = preemption["results"]
