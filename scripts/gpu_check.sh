@@ -24,7 +24,7 @@ bench() {  # bench NAME BENCHMARK [ARGS ...]: once per tree; the log of each in 
   for tree in ${TREES:-.}; do
     tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
     echo "-- $name$tag"
-    PYTHONPATH=$(cd "$tree" && pwd)${PYTHONPATH:+:$PYTHONPATH} python3 -m picovllm.entrypoints.cli bench "$@" \
+    PYTHONPATH=$(cd "$tree" && pwd)${PYTHONPATH:+:$PYTHONPATH} python3 -P -m picovllm.entrypoints.cli bench "$@" \
         --model "$MODEL" ${ENGINE_ARGS:-} 2>&1 | grep -v "it/s\]" | tee "$OUT/$name$tag.log" | grep -v "^{"
   done
 }
