@@ -78,7 +78,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
                       f"{x['ttft_ms']['mean']:.1f} p99 {x['ttft_ms']['p99']:.1f} ms, wall {x['wall_s']:.2f} s")
             on = r["on"]
             print(f"{name:20s} promotion {on['promote_gb_s']:.1f} GB/s against a pinned copy's {on['h2d_gb_s']:.1f}; "
-                  f"copies {on['copy_share']:.1%} of the wall time")
+                  f"copies held the compute stream {on['copy_share']:.1%} of the wall time")
         elif r["benchmark"] == "offload_preemption":
             for x in r["results"]:
                 print(f"{name:20s} preemption {x['preemption_mode']:9s} {x['output_tok_s']:.0f} output tok/s, "

@@ -82,6 +82,34 @@ class _MostRecentFirst:
         return node
 
 
+def test_the_model_runner_copies_keep_the_decision_order(tiny_qwen):
+    """The runner stages promotions before the step's demotions (their PCIe copies overlap
+    compute on a GPU), except one that reads a host block a demotion before it writes: a block
+    demoted and promoted back in one step, and one promoted from a host block that a later
+    demotion reuses, both arrive with the right KV (on TEST_DEVICE)."""
+    import torch
+
+    runner = make_llm(tiny_qwen[0], block_size=BS, kv_offload_memory=8 * BLOCK_BYTES).llm_engine.model_runner
+    gen = torch.Generator().manual_seed(0)
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen))
+    runner.host_kv.copy_(torch.randn(runner.host_kv.shape, generator=gen))
+    gpu, host = runner.kv_cache.cpu(), runner.host_kv.clone()
+    runner.copy_blocks(
+        [
+            (True, [1], [3]),  # GPU 1 -> host 3,
+            (False, [3, 5], [6, 7]),  # then host 3 (just written) and 5 -> GPU 6 and 7,
+            (False, [4], [8]),  # host 4 -> GPU 8 (staged first),
+            (True, [2], [4]),  # then host 4 overwritten by GPU 2
+        ]
+    )
+    if runner.kv_cache.is_cuda:
+        torch.cuda.synchronize()
+    now = runner.kv_cache.cpu()
+    for g, expected in [(6, gpu[:, :, 1]), (7, host[5]), (8, host[4])]:
+        assert torch.equal(now[:, :, g], expected), g
+    assert torch.equal(runner.host_kv[3], gpu[:, :, 1]) and torch.equal(runner.host_kv[4], gpu[:, :, 2])
+
+
 def test_the_eviction_order_is_the_policys():
     for policy, first in [(None, [10, 11]), (_MostRecentFirst(), [30, 31])]:
         tree = RadixTree(BS, gpu_policy=policy)

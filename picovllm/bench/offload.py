@@ -65,9 +65,10 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
 
 
 class CopyTimer:
-    """The time the model runner spends in its copies between the KV pools during a run: CUDA
-    events around each copy_blocks call on the stream it copies on (no synchronisation added), or
-    the wall time of the calls on the CPU. What a copy stream of their own could hide at most."""
+    """The time the copies between the KV pools hold the compute stream during a run (their
+    gathers and scatters, and waiting for the copy stream's PCIe transfers): CUDA events around
+    each copy_blocks call on the compute stream (no synchronisation added), or the wall time of
+    the calls on the CPU, where they are all there is."""
 
     def __init__(self, runner):
         self._runner, self._inner = runner, runner.copy_blocks
@@ -184,7 +185,7 @@ def run_multi_turn(
         f"host tier: {on['host_hit_rate']:.1%} of prompt tokens from the host; {on['promoted_gb']:.2f} GB promoted, "
         f"{on['demoted_gb']:.2f} GB demoted; one {final}-token history promoted in {on['promote_ms']:.2f} ms "
         f"({on['promote_gb_s']:.1f} GB/s; a pinned host-to-device copy of as many bytes: {on['h2d_gb_s']:.1f} GB/s); "
-        f"the copies took {on['copy_s']:.3f} s, {on['copy_share']:.1%} of the wall time"
+        f"the copies held the compute stream {on['copy_s']:.3f} s, {on['copy_share']:.1%} of the wall time"
     )
     result = {
         "conversations": conversations,

@@ -7,6 +7,7 @@ generators kept here, by request id, until the engine says they finished.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -61,6 +62,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None  # (the KV cache's host tier, kv_offload_memory)
+        self.copy_stream: torch.cuda.Stream | None = None  # (its copies', on a GPU)
         self.kv_role, self.kv_transfer_backend = engine_cfg.kv_role, engine_cfg.kv_transfer_backend
         self.kv_transfer: KVTransfer | None = None  # a prefill or decode instance's, over its pool
         self.graphs: DecodeGraphs | None = None
@@ -111,6 +113,8 @@ class ModelRunner:
         if num_host_blocks:
             shape = (num_host_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
             self.host_kv = torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            if self.device.type == "cuda":
+                self.copy_stream = torch.cuda.Stream(self.device)
         if self.kv_role != "both":
             self.kv_transfer = NixlKVTransfer(attn.first_kv_head, cuda_ipc=self.kv_transfer_backend == "auto")
             self.kv_transfer.register(self.kv_cache)
@@ -165,20 +169,58 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[bool, list[int], list[int]]]) -> None:
-        """Copy blocks between this rank's GPU and host pools, in order: (to the host?, source
-        ids, destination ids) each (BlockManager.take_copies). On the compute stream, before the
-        step's forward: a block the step writes may have been copied out just before."""
-        device = self.device
-        for to_host, src, dst in copies:
-            if to_host:  # (gathered on the GPU, then one copy per run of consecutive host blocks)
-                picked = self.kv_cache.index_select(2, torch.tensor(src, device=device)).movedim(2, 0).contiguous()
-                for i, start, count in block_runs(list(range(len(dst))), dst):
-                    self.host_kv[start : start + count].copy_(picked[i : i + count], non_blocking=True)
+        """Copy blocks between this rank's GPU and host pools: (to the host?, source ids,
+        destination ids) each, in the order BlockManager.take_copies gives them. GPU blocks are
+        read and written on the compute stream, in that order (a block this step writes may have
+        been copied out just before; a fresh block may still be in use by the step in flight).
+        The PCIe transfers run on a copy stream of their own (on a GPU), overlapping compute: a
+        promotion's host-to-device copy goes first, into a staging buffer, beside the step in
+        flight (unless it reads a host block that a demotion before it writes), and the compute
+        stream then scatters it into its blocks; a demotion is gathered on the compute stream and
+        copied to the host beside this step's forward."""
+        written: set[int] = set()  # host blocks the demotions so far write
+        staged = {}
+        for i, (to_host, src, dst) in enumerate(copies):
+            if to_host:
+                written.update(dst)
+            elif written.isdisjoint(src):
+                staged[i] = self._stage(src)
+        for i, (to_host, src, dst) in enumerate(copies):
+            if to_host:
+                self._to_host(src, dst)
             else:
-                staged = torch.empty((len(src), *self.host_kv.shape[1:]), dtype=self.dtype, device=device)
-                for i, start, count in block_runs(list(range(len(src))), src):
-                    staged[i : i + count].copy_(self.host_kv[start : start + count], non_blocking=True)
-                self.kv_cache.index_copy_(2, torch.tensor(dst, device=device), staged.movedim(0, 2))
+                self._scatter(*(staged.pop(i) if i in staged else self._stage(src)), dst)
+
+    def _stage(self, src: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Host blocks copied into a staging buffer on the GPU (on the copy stream), and the event
+        after the copy (None without a copy stream: done)."""
+        side = self.copy_stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            staged = torch.empty((len(src), *self.host_kv.shape[1:]), dtype=self.dtype, device=self.device)
+            for i, start, count in block_runs(list(range(len(src))), src):
+                staged[i : i + count].copy_(self.host_kv[start : start + count], non_blocking=True)
+            done = side.record_event() if side is not None else None
+        return staged, done
+
+    def _scatter(self, staged: torch.Tensor, done: torch.cuda.Event | None, dst: list[int]) -> None:
+        """A staged copy into its GPU blocks, on the compute stream once the copy is done."""
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            staged.record_stream(compute)  # (allocated on the copy stream, used on this one)
+        self.kv_cache.index_copy_(2, torch.tensor(dst, device=self.device), staged.movedim(0, 2))
+
+    def _to_host(self, src: list[int], dst: list[int]) -> None:
+        """GPU blocks gathered on the compute stream, then copied to the host on the copy stream
+        (one copy per run of consecutive host blocks)."""
+        picked = self.kv_cache.index_select(2, torch.tensor(src, device=self.device)).movedim(2, 0).contiguous()
+        side = self.copy_stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))  # (the gather)
+            picked.record_stream(side)  # (its memory is not reused before the copy is done)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for i, start, count in block_runs(list(range(len(dst))), dst):
+                self.host_kv[start : start + count].copy_(picked[i : i + count], non_blocking=True)
 
     def check_host_copies(self, pairs: list[tuple[int, int]]) -> None:
         """(GPU block, host block) pairs that must hold the same KV (PICOVLLM_CHECK_INVARIANTS)."""
