@@ -41,6 +41,7 @@ def test_a_minute_of_schema_fuzzing_finds_no_server_error(tiny_qwen, tmp_path):
             capture_output=True,
             text=True,
             timeout=FUZZ_S + 120,
+            cwd=tmp_path,  # (its caches, .schemathesis/ and .hypothesis/, go there, not into the checkout)
         )
         summary = run.stdout[-3000:]
         assert run.returncode == 0, summary
