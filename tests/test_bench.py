@@ -78,12 +78,13 @@ def test_forward_flops_counts_weights_attention_and_one_lm_head_row(tiny_qwen):
 
 
 def test_serve_step_intervals_leave_idle_gaps_out():
-    from picovllm.bench.serve import _busy_gaps, _stats
+    from picovllm.bench.common import ms_stats
+    from picovllm.bench.serve import _busy_gaps
 
     gaps = _busy_gaps([0.0, 0.001, 0.003, 1.0, 1.002])  # the 0.997 s gap: the engine waited for requests
     assert np.allclose(gaps, [0.001, 0.002, 0.002])
-    stats = _stats(gaps.tolist())
-    assert abs(stats["p50"] - 2.0) < 1e-9 and abs(stats["mean"] - 5 / 3) < 1e-9 and _stats([]) == {}
+    stats = ms_stats(gaps.tolist())
+    assert abs(stats["p50"] - 2.0) < 1e-9 and abs(stats["mean"] - 5 / 3) < 1e-9 and ms_stats([]) == {}
 
 
 def test_offload_multi_turn_and_preemption(tiny_qwen, capsys):

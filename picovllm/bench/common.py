@@ -6,7 +6,21 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import torch
+
+
+def ms_stats(seconds: list[float]) -> dict[str, float]:
+    """Mean, p50, p90 and p99 of times in seconds, in ms ({} for none)."""
+    a = np.asarray(seconds) * 1e3
+    if not len(a):
+        return {}
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+    }
 
 
 def sync(device: torch.device) -> None:

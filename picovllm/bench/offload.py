@@ -19,10 +19,9 @@ import gc
 import random
 import time
 
-import numpy as np
 import torch
 
-from picovllm.bench.common import measure_rate, print_json, print_table, sync
+from picovllm.bench.common import measure_rate, ms_stats, print_json, print_table, sync
 from picovllm.sampling_params import SamplingParams
 
 
@@ -54,14 +53,6 @@ def _release(llm) -> None:
     gc.collect()  # (the next engine sizes its pools from the memory this one leaves)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _percentiles(xs: list[float]) -> dict[str, float]:
-    return {
-        "mean": float(np.mean(xs)) * 1e3,
-        "p50": float(np.percentile(xs, 50)) * 1e3,
-        "p99": float(np.percentile(xs, 99)) * 1e3,
-    }
 
 
 class CopyTimer:
@@ -154,7 +145,7 @@ def run_multi_turn(
             "tier": "on" if offload else "off",
             "hit_rate": (m["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"])
             / (m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]),
-            "ttft_ms": _percentiles(ttfts),
+            "ttft_ms": ms_stats(ttfts),
             "wall_s": wall,
             "preemptions": m["num_preemptions"] - before["num_preemptions"],
         }
@@ -246,7 +237,7 @@ def run_preemption(
             {
                 "preemption_mode": mode,
                 "output_tok_s": requests * output_len / wall,
-                "latency_ms": _percentiles([d[1] for d in done.values()]),
+                "latency_ms": ms_stats([d[1] for d in done.values()]),
                 "preemptions": m["num_preemptions"],
                 "swapped": m.get("num_swapped_out", 0),
             }

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from picovllm.bench.common import print_json, print_table
+from picovllm.bench.common import ms_stats, print_json, print_table
 
 
 def _body(prompt: list[int], max_tokens: int, model: str) -> bytes:
@@ -174,7 +174,7 @@ class EngineProbe:
     def report(self) -> dict:
         """Stops probing (the engine's own on_step again) and returns the figures."""
         self._engine.on_step = self._inner
-        steps = _stats(_busy_gaps(self.starts).tolist())
+        steps = ms_stats(_busy_gaps(self.starts).tolist())
         cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
         print(
             f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
@@ -191,20 +191,6 @@ def _busy_gaps(times: list[float]) -> np.ndarray:
 
 def _stats_line(stats: dict) -> str:
     return " ".join(f"{k} {stats[k]:.2f}" for k in ("mean", "p50", "p90", "p99"))
-
-
-def _stats(values: list[float]) -> dict:
-    a = np.asarray(values) * 1e3
-    return (
-        {
-            "mean": float(a.mean()),
-            "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99)),
-        }
-        if len(a)
-        else {}
-    )
 
 
 def run_serve_bench(
@@ -270,9 +256,9 @@ def run_serve_bench(
         "request_rate": request_rate,
         "input_len": input_len,
         "output_len": output_len,
-        "ttft_ms": _stats([r["ttft"] for r in ok]),
-        "tpot_ms": _stats([r["tpot"] for r in ok]),
-        "itl_ms": _stats([x for r in ok for x in r["itl"]]),
+        "ttft_ms": ms_stats([r["ttft"] for r in ok]),
+        "tpot_ms": ms_stats([r["tpot"] for r in ok]),
+        "itl_ms": ms_stats([x for r in ok for x in r["itl"]]),
         **(probed if probe is not None else {}),
     }
     rows = [
