@@ -126,10 +126,7 @@ class PrefixCache:
                 tree.set_host(node, host)
             if node.host is not None:
                 self.demoted_blocks += len(node.blocks)
-            blocks, dropped = tree.drop_gpu(node)
-            self.evicted_blocks += len(blocks)
-            bm.free(blocks)
-            self._free_host(dropped)
+            self.evicted_blocks += self._drop_gpu(node)
 
     def _host_room(self, n: int) -> list[int] | None:
         """n host blocks, evicting from the host (its policy's order) as needed; None if it cannot."""
@@ -142,6 +139,14 @@ class PrefixCache:
         for node in skipped:
             tree.offer(node)
         return host.allocate(n) if host.num_free >= n else None
+
+    def _drop_gpu(self, node: RadixNode) -> int:
+        """Take node off the GPU (RadixTree.drop_gpu), freeing its GPU blocks and the host blocks
+        that go with it; returns how many GPU blocks it freed."""
+        blocks, dropped = self.tree.drop_gpu(node)
+        self.block_manager.free(blocks)
+        self._free_host(dropped)
+        return len(blocks)
 
     def _free_host(self, blocks: list[int]) -> None:
         if blocks:
@@ -205,9 +210,7 @@ class PrefixCache:
         if tree is None:
             return
         while (node := tree.gpu_victim()) is not None:
-            blocks, dropped = tree.drop_gpu(node)
-            self.block_manager.free(blocks)
-            self._free_host(dropped)
+            self._drop_gpu(node)
         while (node := tree.host_victim()) is not None:
             self._free_host(tree.drop_host(node))
 

@@ -195,7 +195,7 @@ class ModelRunner:
         """Host blocks copied into a staging buffer on the GPU (on the copy stream), and the event
         after the copy (None without a copy stream: done)."""
         side = self.copy_stream
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with self._on_copy_stream():
             staged = torch.empty((len(src), *self.host_kv.shape[1:]), dtype=self.dtype, device=self.device)
             for i, start, count in block_runs(list(range(len(src))), src):
                 staged[i : i + count].copy_(self.host_kv[start : start + count], non_blocking=True)
@@ -218,9 +218,13 @@ class ModelRunner:
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))  # (the gather)
             picked.record_stream(side)  # (its memory is not reused before the copy is done)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with self._on_copy_stream():
             for i, start, count in block_runs(list(range(len(dst))), dst):
                 self.host_kv[start : start + count].copy_(picked[i : i + count], non_blocking=True)
+
+    def _on_copy_stream(self):
+        """The copy stream as the current stream (in place without one: on the CPU)."""
+        return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()
 
     def check_host_copies(self, pairs: list[tuple[int, int]]) -> None:
         """(GPU block, host block) pairs that must hold the same KV (PICOVLLM_CHECK_INVARIANTS)."""
