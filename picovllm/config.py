@@ -169,11 +169,13 @@ class EngineConfig:
     # Disaggregated prefill (engine/kv_handoff.py): "prefill" computes prompts and holds their KV
     # blocks for a decode instance to pull; "decode" pulls a prompt's KV before decoding it; "both"
     # does everything itself. kv_transfer_mode: "async" overlaps transfers with other work, "sync"
-    # finishes each before the next request starts. A prefill instance frees blocks nobody pulled
-    # after kv_lease_s seconds.
+    # admits nothing new while one is pending. A prefill instance frees blocks nobody pulled or
+    # renewed for kv_lease_s seconds; a decode instance gives up on a pull (and prefills the
+    # prompt itself) after kv_pull_timeout_s.
     kv_role: str = "both"
     kv_transfer_mode: str = "async"
     kv_lease_s: float = 30.0
+    kv_pull_timeout_s: float = 10.0
     # "auto": a decode instance copies through CUDA IPC from a prefill instance whose pool is on a
     # GPU of the same machine, else over NIXL; "nixl": always over NIXL
     kv_transfer_backend: str = "auto"
@@ -214,6 +216,7 @@ class EngineConfig:
         need(self.kv_role in ("prefill", "decode", "both"), "kv_role", "must be 'prefill', 'decode' or 'both'")
         need(self.kv_transfer_mode in ("async", "sync"), "kv_transfer_mode", "must be 'async' or 'sync'")
         need(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
+        need(self.kv_pull_timeout_s > 0, "kv_pull_timeout_s", "must be > 0")
         need(self.kv_transfer_backend in ("auto", "nixl"), "kv_transfer_backend", "must be 'auto' or 'nixl'")
         need(
             isinstance(self.kv_offload_memory, int) and self.kv_offload_memory >= 0, "kv_offload_memory", "must be >= 0"

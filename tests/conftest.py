@@ -45,6 +45,19 @@ def engine_args(path: str, **kwargs) -> dict:
     }
 
 
+def need_nixl() -> None:
+    """Skip the calling test module without NIXL; with it, NIXL between processes goes over loopback
+    TCP (the engine processes inherit the setting)."""
+    from picovllm.distributed.kv_transfer import nixl_api
+
+    try:
+        nixl_api()
+    except ModuleNotFoundError as e:
+        pytest.skip(str(e), allow_module_level=True)
+    os.environ.setdefault("UCX_TLS", "tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
 def make_llm(path: str, **kwargs):
     from picovllm import LLM
 

@@ -64,3 +64,20 @@ def test_blocks_conserved_under_random_churn(tiny_qwen):
     assert engine.scheduler.num_preemptions > 0
     assert finished > 20
     assert engine.reset_prefix_cache() and engine.block_manager.num_free_blocks == 20
+
+
+def test_blocks_freed_under_a_step_in_flight_are_known_until_its_work_has_ended():
+    """A KV pull into a block freed after a step was launched must wait for that step (it may
+    still store KV there); blocks freed before it, or once it has ended, need not."""
+    bm = BlockManager(8, 4)
+    early = bm.allocate(2)
+    bm.free(early)  # (before any step)
+    first = bm.step_launched()
+    late = bm.allocate(2)
+    bm.free(late)  # (step 1 may write these)
+    assert not bm.written_in_flight(early) and bm.written_in_flight(late) and bm.written_in_flight(early + late)
+    bm.steps_done = first
+    assert not bm.written_in_flight(late)
+    bm.step_launched()
+    bm.free(bm.allocate(1))
+    assert bm.written_in_flight(list(range(8))) and not bm.written_in_flight(late)

@@ -2,21 +2,14 @@
 decode instance pulls it over NIXL (UCX over TCP on loopback) and generates what a colocated
 engine generates. Both engines in this process, each with its own NIXL agent."""
 
-import os
 import time
 
 import pytest
+import torch
+from conftest import TEST_DEVICE, engine_args, need_nixl
 
-from picovllm.distributed.kv_transfer import nixl_api
+need_nixl()
 
-try:
-    nixl_api()
-except ModuleNotFoundError as e:
-    pytest.skip(str(e), allow_module_level=True)
-os.environ.setdefault("UCX_TLS", "tcp")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-from conftest import engine_args  # noqa: E402
 
 from picovllm import LLMEngine, SamplingParams  # noqa: E402
 
@@ -117,14 +110,23 @@ def test_an_unpulled_lease_expires_and_frees_the_blocks(tiny_qwen):
     prefill.shutdown()
 
 
-def test_held_prompts_bound_a_prefill_instance_a_new_prompt_waits_for_a_lease_to_end(tiny_qwen):
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_held_prompts_bound_a_prefill_instance_a_new_prompt_waits_for_a_lease_to_end(tiny_qwen, prefix_caching):
     """Back-pressure: prompts awaiting pickup hold their blocks; when they fill the pool, the next
-    prompt waits (it neither fails nor takes held blocks) until a lease ends."""
+    prompt waits (it neither fails nor takes held blocks) until a lease ends. With the prefix cache
+    on, a lease locks its prompt's blocks in the tree as a live request does: they are not counted
+    as evictable (they were, and the next prompt's allocation failed)."""
     prefill = _engine(
-        tiny_qwen[0], kv_role="prefill", kv_lease_s=0.5, enable_prefix_caching=False, num_gpu_blocks_override=8
+        tiny_qwen[0],
+        kv_role="prefill",
+        kv_lease_s=0.5,
+        enable_prefix_caching=prefix_caching,
+        num_gpu_blocks_override=8,
     )
+    prefill.debug_invariants = True
     first = SamplingParams(max_tokens=1)
-    held = _run(prefill, [(f"h{i}", PROMPTS[3][:-1] + [i], first, {"do_remote_decode": True}) for i in range(2)])
+    distinct = [[100 * i + 60 + j for j in range(40)] for i in range(2)]  # (no shared prefix)
+    held = _run(prefill, [(f"h{i}", p, first, {"do_remote_decode": True}) for i, p in enumerate(distinct)])
     assert prefill.block_manager.num_free_blocks == 2 and len(held) == 2
     prefill.add_validated_request("next", None, PROMPTS[3], first, {"do_remote_decode": True})
     start = time.monotonic()
@@ -136,7 +138,8 @@ def test_held_prompts_bound_a_prefill_instance_a_new_prompt_waits_for_a_lease_to
     assert set(out) == {"next"} and out["next"].kv_transfer_params["remote_num_tokens"] == len(PROMPTS[3])
     assert prefill.get_metrics()["kv_leases_expired"] >= 1  # (what let it in)
     _settle(prefill)
-    assert prefill.get_metrics()["kv_leases_expired"] == 3 and prefill.block_manager.num_free_blocks == 8
+    assert prefill.get_metrics()["kv_leases_expired"] == 3
+    assert prefill.reset_prefix_cache() and prefill.block_manager.num_free_blocks == 8
     prefill.shutdown()
 
 
@@ -164,3 +167,170 @@ def test_kv_transfer_params_are_checked_against_the_role(tiny_qwen, colocated):
         decode.add_validated_request("z", None, [1, 2, 3], SamplingParams(), bad)
     assert not decode.has_unfinished_requests()
     decode.shutdown()
+
+
+DO_REMOTE_DECODE = {"do_remote_decode": True}
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+OTHER_40 = list(range(200, 240))  # (another 40-token prompt: three 16-token blocks)
+
+
+def test_a_request_queued_on_the_decode_instance_keeps_its_lease(tiny_qwen, colocated):
+    """The decode instance renews the lease of a request waiting in its queue, so that the prefill
+    instance keeps the KV past kv_lease_s (on main it freed it, let another prompt overwrite it, and
+    the pull read that: wrong tokens). P's pool holds one prompt; the next prompt waits for the lease."""
+    prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=0.3, num_gpu_blocks_override=3)
+    decode = _engine(tiny_qwen[0], kv_role="decode", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]
+    prefill.add_validated_request("c", None, OTHER_40, ONE_TOKEN, DO_REMOTE_DECODE)  # (waits for a's blocks)
+    busy = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    for i in range(4):  # (D's one seat, taken for 4 x 1,019 steps)
+        decode.add_validated_request(f"busy{i}", None, PROMPTS[0], busy)
+    decode.add_validated_request("a", None, PROMPTS[3], params, held.kv_transfer_params)
+    end = time.monotonic() + 1.2  # (four leases)
+    while time.monotonic() < end:
+        decode.step()
+        prefill.step()
+    assert decode.get_metrics()["num_running"] == 1 and decode.get_metrics()["kv_transfers_started"] == 0
+    assert prefill.get_metrics()["num_waiting"] == 1 and prefill.get_metrics()["kv_leases_expired"] == 0
+    decode.abort_request([f"busy{i}" for i in range(4)])
+    out = _run(decode, [])["a"]
+    assert out.outputs[0].token_ids == _run(colocated, [("a", PROMPTS[3], params, None)])["a"].outputs[0].token_ids
+    assert decode.get_metrics()["kv_transfers_done"] == 1
+    assert set(_run(prefill, [])) == {"c"}  # (a's lease ended with the pull: c ran)
+    for engine in (prefill, decode):
+        engine.shutdown()
+
+
+def test_a_lease_that_ended_while_the_decode_instance_was_frozen_is_not_pulled(tiny_qwen, colocated):
+    """A decode instance that did not run for longer than the lease (SIGSTOP, a long GC) does not pull
+    blocks the prefill instance may have reused since (on main it did: another prompt's KV); it
+    prefills the prompt itself."""
+    prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=0.4, num_gpu_blocks_override=3)
+    decode = _engine(tiny_qwen[0], kv_role="decode")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]
+    decode.add_validated_request("a", None, PROMPTS[3], params, held.kv_transfer_params)  # (then D stops)
+    assert set(_run(prefill, [("c", OTHER_40, ONE_TOKEN, DO_REMOTE_DECODE)])) == {"c"}  # (in a's blocks)
+    assert prefill.get_metrics()["kv_leases_expired"] == 1
+    out = _run(decode, [])["a"]
+    assert out.outputs[0].token_ids == _run(colocated, [("a", PROMPTS[3], params, None)])["a"].outputs[0].token_ids
+    m = decode.get_metrics()
+    assert m["kv_pulls_skipped"] == 1 and m["kv_transfers_started"] == 0
+    for engine in (prefill, decode):
+        engine.shutdown()
+
+
+def test_a_pull_reported_for_an_ended_lease_is_counted_as_late(tiny_qwen):
+    from picovllm.distributed.kv_transfer import LeaseNotice, NixlKVTransfer
+
+    prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=0.1)
+    held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]
+    _settle(prefill)  # (the lease ends)
+    peer = NixlKVTransfer()
+    peer.register(torch.zeros(1, 2, 1, 1, 1, 1))
+    for kind in ("release", "pulled", "renew"):  # (only the read counts)
+        peer.notify(held.kv_transfer_params["remote_agent"], LeaseNotice(kind, "a"))
+    deadline = time.monotonic() + 5
+    while not prefill.get_metrics()["kv_late_pulls"] and time.monotonic() < deadline:
+        prefill.step()
+        time.sleep(0.01)
+    time.sleep(0.1)
+    prefill.step()
+    assert prefill.get_metrics()["kv_late_pulls"] == 1 and not prefill.kv_busy
+    peer.close()
+    prefill.shutdown()
+
+
+@pytest.mark.parametrize("mismatch", ["weights", "dtype"])
+def test_a_prefill_instance_of_another_model_or_dtype_is_not_pulled_from(tiny_qwen, tmp_path, mismatch):
+    """P and D must hold the same KV: the same weights (two fine-tunes of one base have the same
+    shapes) and dtype (bf16 and fp16 have the same head bytes). On main D pulled and decoded garbage;
+    now it refuses the pull (counted) and prefills the prompt itself."""
+    from tiny_models import build_model
+
+    other = str(tmp_path)
+    build_model(other, "qwen2", seed=7)  # (the same shapes, other weights)
+    p_path, p_dtype, d_dtype = (
+        (tiny_qwen[0], "float32", "float32") if mismatch == "weights" else (other, "bfloat16", "float16")
+    )
+    prefill = _engine(p_path, kv_role="prefill", dtype=p_dtype)
+    decode = _engine(other, kv_role="decode", dtype=d_dtype)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]
+    out = _run(decode, [("a", PROMPTS[3], params, held.kv_transfer_params)])["a"]
+    reference = _engine(other, dtype=d_dtype)
+    assert out.outputs[0].token_ids == _run(reference, [("a", PROMPTS[3], params, None)])["a"].outputs[0].token_ids
+    m = decode.get_metrics()
+    assert m["kv_transfers_incompatible"] == 1 and m["kv_transfers_started"] == 0
+    _settle(prefill)
+    assert prefill.get_metrics()["kv_blocks_held_for_pickup"] == 0  # (D released the lease)
+    for engine in (prefill, decode, reference):
+        engine.shutdown()
+
+
+def test_the_weights_fingerprint_is_the_same_for_every_tensor_parallel_rank_and_size(tiny_qwen):
+    """The fingerprint covers each checkpoint tensor whole, before it is sharded."""
+    from picovllm.config import ModelConfig
+    from picovllm.model.loader.model_loader import load_model
+
+    cfg = ModelConfig.from_dir(tiny_qwen[0])
+    one = load_model(cfg, tiny_qwen[0], torch.float32, torch.device("cpu"), 256).weights_fingerprint
+    dummy = [
+        load_model(cfg, None, torch.float32, torch.device("cpu"), 256, seed=s).weights_fingerprint for s in (0, 0, 1)
+    ]
+    assert len(one) == 16 and dummy[0] == dummy[1] != dummy[2] and one not in dummy
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the order of a GPU's streams")
+def test_pulls_into_blocks_freed_under_a_step_in_flight_are_not_overwritten(tmp_path):
+    """With async scheduling, step k+1 is launched before step k's tokens are read, and stores KV for
+    requests that step k finishes (on a stop token); their blocks, freed, go straight to pulls. A
+    pull's copies start after the step in flight (on main the CUDA IPC copy did not wait for it, and
+    the step's store could land on the pulled KV). A full pool, neighbours ending on stop tokens, and
+    pulls admitted into their blocks as they end: every pulled request decodes what a colocated
+    engine does. P runs in a process of its own (a CUDA IPC handle opens only in another one); fp32,
+    so that equal KV means equal tokens."""
+    import httpx
+    from tiny_models import build_model
+
+    from picovllm.entrypoints.openai.async_engine import EngineProcess
+    from picovllm.entrypoints.openai.server import build_app, serve_in_thread
+    from picovllm.entrypoints.openai.serving import KV_SECRET_HEADER, kv_transfer_secret
+
+    path = str(tmp_path)  # (a model whose steps take long enough for a copy to overtake one)
+    build_model(path, "qwen2", hidden=512, heads=8, kv_heads=2, head_dim=64, layers=8, intermediate=2048, seed=3)
+    fp32 = dict(dtype="float32", kv_cache_memory=None)
+    prefill = EngineProcess(engine_args(path, kv_role="prefill", num_gpu_blocks_override=4096, **fp32))
+    url, stop = serve_in_thread(build_app(prefill, "m"))
+    colocated = _engine(path, num_gpu_blocks_override=4096, **fp32)
+    decode = _engine(path, kv_role="decode", num_gpu_blocks_override=72, max_num_seqs=32, **fp32)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        neighbours = [[(7 * i + j) % 300 + 1 for j in range(30)] for i in range(48)]
+        free_run = _run(colocated, [(f"n{i}", p, greedy, None) for i, p in enumerate(neighbours)])
+        stops = [free_run[f"n{i}"].outputs[0].token_ids[1 + i % 5] for i in range(len(neighbours))]
+        pulled = [[(11 * i + j) % 300 + 1 for j in range(40)] for i in range(48)]
+        want = _run(colocated, [(f"p{i}", p, greedy, None) for i, p in enumerate(pulled)])
+        held = []
+        for p in pulled:
+            body = {"prompt": p, "max_tokens": 1, "kv_transfer_params": DO_REMOTE_DECODE}
+            r = httpx.post(url + "/v1/completions", json=body, headers={KV_SECRET_HEADER: kv_transfer_secret()})
+            held.append(r.json()["kv_transfer_params"])
+        for i in range(len(pulled)):  # (interleaved: pulls wait behind neighbours for their blocks)
+            stop_at = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stops[i]])
+            decode.add_validated_request(f"n{i}", None, neighbours[i], stop_at)
+            decode.add_validated_request(f"p{i}", None, pulled[i], greedy, held[i])
+        got = _run(decode, [])
+        wrong = [
+            i for i in range(len(pulled)) if got[f"p{i}"].outputs[0].token_ids != want[f"p{i}"].outputs[0].token_ids
+        ]
+        assert not wrong, f"{len(wrong)} of {len(pulled)} pulled requests decoded other tokens"
+        m = decode.get_metrics()
+        assert m["kv_transfers_done"] == len(pulled) and m["kv_transfers_cuda_ipc"] == len(pulled)
+        assert decode.num_launched_ahead > 0
+    finally:
+        stop()
+        prefill.shutdown()
+        for engine in (colocated, decode):
+            engine.shutdown()

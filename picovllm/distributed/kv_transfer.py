@@ -3,13 +3,15 @@ prompt that a prefill instance computed, straight from that instance's pool into
 
 KVTransfer is what the engine's side (engine/kv_handoff.py) calls, through the rank that holds
 the pool: register the pool, describe it to peers (agent_info, JSON), pull remote blocks into
-local ones, poll the pulls, and release a peer's blocks once they are pulled (the peer sees the
-release in `released`). NixlKVTransfer is its backend: one NIXL agent per pool, one-sided READs
-over UCX, host or GPU memory, across processes and machines. Between two GPU pools of one machine
-it copies through CUDA IPC instead (the peer's pool mapped into this process, the blocks gathered
-and scattered by two kernels on a stream of their own), when the peer's handle opens here; NIXL
-still carries the releases. A dead peer fails the pulls from it (their ids come back from poll as
-failed); nothing waits on it.
+local ones, poll the pulls, and send a peer's rank 0 LeaseNotices about the blocks it holds for
+this side (renew the lease, release it; the peer reads them with `notices`). NixlKVTransfer is
+its backend: one NIXL agent per pool, one-sided READs over UCX, host or GPU memory, across
+processes and machines. Between two GPU pools of one machine it copies through CUDA IPC instead
+(the peer's pool mapped into this process, the blocks gathered and scattered by two kernels on a
+stream of their own), when the peer's handle opens here; NIXL still carries the notices. A dead
+peer fails the pulls from it (their ids come back from poll as failed); nothing waits on it. A
+pull into blocks that a step launched ahead may still be writing (they were freed under it)
+starts after the work already queued on this pool's device.
 
 The pool is the model runner's [layers, 2, num_blocks, kv_heads, block_size, head_dim] tensor
 (worker/model_runner.py, allocate_kv_pool): a block of one layer's K (or V) is contiguous, and so
@@ -20,9 +22,13 @@ both sides; one that reshards heads (other tensor-parallel sizes) is one per lay
 from __future__ import annotations
 
 import base64
+import json
 import os
+import threading
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -30,6 +36,34 @@ import torch
 
 class KVTransferError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class LeaseNotice:
+    """What a decode instance tells the prefill instance holding a prompt's KV for it: "renew"
+    (the request still waits here: keep the blocks another lease), "release" (they will not be
+    read), "pulled" (they have been read). Both of the last two end the lease."""
+
+    kind: Literal["renew", "release", "pulled"]
+    request_id: str
+
+    _TAG = b"picovllm-lease:"
+
+    def encode(self) -> bytes:
+        return self._TAG + json.dumps([self.kind, self.request_id]).encode()
+
+    @classmethod
+    def decode(cls, message: bytes) -> LeaseNotice | None:
+        """The notice a message carries (None: not one of ours, or malformed)."""
+        if not message.startswith(cls._TAG):
+            return None
+        try:
+            kind, request_id = json.loads(message[len(cls._TAG) :])
+        except (ValueError, TypeError):
+            return None
+        if kind not in ("renew", "release", "pulled") or not isinstance(request_id, str):
+            return None
+        return cls(kind, request_id)
 
 
 class KVTransfer(ABC):
@@ -42,20 +76,25 @@ class KVTransfer(ABC):
         """What a peer needs to pull from this pool (JSON: it travels in kv_transfer_params)."""
 
     @abstractmethod
-    def pull(self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int]) -> None:
-        """Start copying the remote pool's blocks into ours (remote_blocks[i] -> local_blocks[i])."""
+    def pull(
+        self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int], after: bool = False
+    ) -> None:
+        """Start copying the remote pool's blocks into ours (remote_blocks[i] -> local_blocks[i]);
+        after: only once the work already queued on our device has ended (a step in flight may
+        still write the local blocks)."""
 
     @abstractmethod
     def poll(self) -> tuple[list[str], dict[str, str]]:
         """The pulls that completed since the last call, and those that failed (id -> why)."""
 
     @abstractmethod
-    def release(self, remote: dict, request_id: str) -> None:
-        """Tell the remote side that its request's blocks are no longer needed here."""
+    def notify(self, remote: dict, notice: LeaseNotice) -> None:
+        """Send the remote instance (its rank 0, which holds the leases) a notice; a peer gone is
+        not an error (its leases end by themselves)."""
 
     @abstractmethod
-    def released(self) -> list[str]:
-        """The request ids whose blocks peers released since the last call."""
+    def notices(self) -> list[LeaseNotice]:
+        """The notices peers sent since the last call."""
 
     def stats(self) -> dict[str, int]:
         """The backend's own counters (LLMEngine.get_metrics)."""
@@ -78,7 +117,27 @@ def nixl_api():
     )
 
 
-_RELEASE = b"release:"
+# NIXL's Python API starts the UCX progress thread with no pause between its polls: a core busy per
+# agent, idle or not. The thread waits on the worker's events and wakes at least this often.
+_PROGRESS_POLL_US = 10_000
+_agent_lock = threading.Lock()
+
+
+def _nixl_agent(api, name: str):
+    """A NIXL agent whose progress thread sleeps between events (see _PROGRESS_POLL_US)."""
+    bind = api.nixlBind
+    real = bind.nixlAgent
+
+    def agent(agent_name, config):
+        config.pthrDelay = _PROGRESS_POLL_US
+        return real(agent_name, config)
+
+    with _agent_lock:  # (the binding's constructor, wrapped while this agent is made)
+        bind.nixlAgent = agent
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            bind.nixlAgent = real
 
 
 class NixlKVTransfer(KVTransfer):
@@ -94,13 +153,14 @@ class NixlKVTransfer(KVTransfer):
         if not torch.cuda.is_available():  # host memory: UCX's shared-memory transports failed here, TCP works
             os.environ.setdefault("UCX_TLS", "tcp")
         self.name = name or f"picovllm-{uuid.uuid4().hex[:12]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = _nixl_agent(api, self.name)
         self.first_head = first_head
         self.kv: torch.Tensor | None = None
         self._info: dict | None = None  # (rank_info, once registered)
         self.peers: set[str] = set()  # remote agents added (by name)
         self.pulls: dict[str, list] = {}  # pull id -> its NIXL transfer handles (one a remote rank)
         self.copies: dict[str, torch.cuda.Event] = {}  # pull id -> the end of its CUDA IPC copy
+        self.waiting: dict[str, torch.cuda.Event] = {}  # pull id -> the work its NIXL transfers start after
         self.failed: dict[str, str] = {}  # pull id -> why, reported once nothing of it is in flight
         self.active: set[str] = set()  # pulls started, not reported by poll yet
         self.mapped: dict[str, torch.Tensor | None] = {}  # peer name -> its pool through CUDA IPC (None: no)
@@ -166,30 +226,47 @@ class NixlKVTransfer(KVTransfer):
             raise KVTransferError(f"no remote rank holds KV heads {lo}..{end - 1}")
         return sources
 
-    def pull(self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int]) -> None:
+    def pull(self, pull_id, remote: dict, remote_blocks: list[int], local_blocks: list[int], after=False) -> None:
+        """With `after`, on a GPU: the CUDA IPC copies wait on the copy stream for the work queued
+        on the current stream, and the NIXL transfers start at the first poll after it ended."""
         self.active.add(pull_id)
         handles = []
+        ready = None
+        if self.kv.is_cuda and after:
+            ready = torch.cuda.Event()
+            ready.record()
         try:
             for r, lo, hi in self._sources(remote["ranks"]):
+                _check_blocks(r["num_blocks"], remote_blocks, "remote")
+                _check_blocks(self.kv.shape[2], local_blocks, "local")
                 mapped = self._mapped(r)
                 if mapped is not None:
-                    self._copy(pull_id, mapped, r, lo, hi, remote_blocks, local_blocks)
+                    self._copy(pull_id, mapped, r, lo, hi, remote_blocks, local_blocks, ready)
                     continue
                 peer = self._peer(r)
                 local, far = self._descs(r, lo, hi, remote_blocks, local_blocks)
-                handle = self.agent.initialize_xfer(
-                    "READ",
-                    self.agent.get_xfer_descs(local, self.mem_type),
-                    self.agent.get_xfer_descs(far, r["mem_type"]),
-                    peer,
+                handles.append(
+                    self.agent.initialize_xfer(
+                        "READ",
+                        self.agent.get_xfer_descs(local, self.mem_type),
+                        self.agent.get_xfer_descs(far, r["mem_type"]),
+                        peer,
+                    )
                 )
-                handles.append(handle)
-                if self.agent.transfer(handle) == "ERR":
-                    raise KVTransferError("the transfer could not start")
+            if handles and (ready is None or ready.query()):
+                self._start(handles)
+            elif handles:
+                self.waiting[pull_id] = ready
         except Exception as e:  # (NIXL's errors, a peer gone: the pull fails, the engine goes on)
             self.failed[pull_id] = f"{type(e).__name__}: {e}"
+            self.waiting.pop(pull_id, None)
         if handles:  # (a failed pull too: what it started may still be writing the blocks)
             self.pulls[pull_id] = handles
+
+    def _start(self, handles: list) -> None:
+        for handle in handles:
+            if self.agent.transfer(handle) == "ERR":
+                raise KVTransferError("the transfer could not start")
 
     def _descs(self, r: dict, lo: int, hi: int, remote_blocks, local_blocks) -> tuple[np.ndarray, np.ndarray]:
         """[N, 3] (address, bytes, device) on both sides: heads [lo, hi) of every layer's K and V of
@@ -229,12 +306,15 @@ class NixlKVTransfer(KVTransfer):
                     pass
         return self.mapped[name]
 
-    def _copy(self, pull_id: str, remote_kv: torch.Tensor, r: dict, lo: int, hi: int, remote_blocks, local_blocks):
+    def _copy(self, pull_id, remote_kv: torch.Tensor, r: dict, lo: int, hi: int, remote_blocks, local_blocks, ready):
         """Heads [lo, hi) of the blocks gathered from the peer's pool and scattered into ours, on
-        our copy stream (a pull's later copies are ordered after its earlier ones)."""
+        our copy stream once `ready` has passed (a pull's later copies are ordered after its
+        earlier ones)."""
         device = self.kv.device
         theirs = slice(lo - r["first_head"], hi - r["first_head"])
         mine = slice(lo - self.first_head, hi - self.first_head)
+        if ready is not None:
+            self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
             src = torch.tensor(remote_blocks, device=remote_kv.device)
             dst = torch.tensor(local_blocks, device=device)
@@ -251,7 +331,16 @@ class NixlKVTransfer(KVTransfer):
         for pull_id, event in list(self.copies.items()):
             if event.query():
                 del self.copies[pull_id]
+        for pull_id, ready in list(self.waiting.items()):
+            if ready.query():
+                del self.waiting[pull_id]
+                try:
+                    self._start(self.pulls[pull_id])
+                except Exception as e:
+                    self.failed[pull_id] = f"{type(e).__name__}: {e}"
         for pull_id, handles in list(self.pulls.items()):
+            if pull_id in self.waiting:
+                continue
             states = []
             for handle in handles:
                 try:
@@ -281,18 +370,17 @@ class NixlKVTransfer(KVTransfer):
     def stats(self) -> dict[str, int]:
         return {"kv_transfers_cuda_ipc": self.num_ipc_pulls}
 
-    def release(self, remote: dict, request_id: str) -> None:
-        """(To the remote instance's rank 0, which holds the lease.)"""
+    def notify(self, remote: dict, notice: LeaseNotice) -> None:
         try:
-            self.agent.send_notif(self._peer(remote["ranks"][0]), _RELEASE + request_id.encode())
-        except Exception:  # the peer is gone: its lease on the blocks ends by itself
+            self.agent.send_notif(self._peer(remote["ranks"][0]), notice.encode())
+        except Exception:  # the peer is gone: its leases end by themselves
             pass
 
-    def released(self) -> list[str]:
-        ids = []
+    def notices(self) -> list[LeaseNotice]:
+        got = []
         for messages in self.agent.get_new_notifs().values():
-            ids += [m[len(_RELEASE) :].decode() for m in messages if m.startswith(_RELEASE)]
-        return ids
+            got += [n for m in messages if (n := LeaseNotice.decode(m)) is not None]
+        return got
 
     def close(self) -> None:
         for event in self.copies.values():
@@ -306,6 +394,7 @@ class NixlKVTransfer(KVTransfer):
                 except Exception:
                     pass
         self.pulls.clear()
+        self.waiting.clear()
         self.active.clear()
         if self.kv is not None:
             self.agent.deregister_memory(self._registration)
@@ -314,6 +403,13 @@ class NixlKVTransfer(KVTransfer):
 
 def _shape(info: dict) -> dict:
     return {k: info[k] for k in ("num_layers", "num_heads", "head_bytes", "block_size")}
+
+
+def _check_blocks(num_blocks: int, ids: list[int], side: str) -> None:
+    """Block ids a pull addresses, each in its pool (a bad one would read or write outside it)."""
+    bad = next((b for b in ids if not (isinstance(b, int) and 0 <= b < num_blocks)), None)
+    if bad is not None:
+        raise KVTransferError(f"{side} block id {bad!r} is outside its pool of {num_blocks} blocks")
 
 
 def block_runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:

@@ -29,6 +29,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
+        self.epoch = 0  # (BlockManager's steps launched)
+        self.freed_at = [0] * num_blocks  # each block's epoch when it was last freed
 
     @property
     def num_free(self) -> int:
@@ -55,6 +57,7 @@ class BlockPool:
             self.ref_counts[i] -= 1
             if self.ref_counts[i] == 0:
                 self.free_ids.append(i)
+                self.freed_at[i] = self.epoch
 
     def check_invariants(self) -> None:
         free = set(self.free_ids)
@@ -74,6 +77,20 @@ class BlockManager:
         self.host = BlockPool(num_host_blocks) if num_host_blocks else None
         self.copies: list[tuple[bool, list[int], list[int]]] = []  # (to the host?, source ids, destination ids)
         self.copied_blocks = [0, 0]  # blocks copied to the GPU, to the host
+        self.steps_done = 0  # the steps launched so far whose work has ended (see written_in_flight)
+
+    def step_launched(self) -> int:
+        """A step was launched: its number (1, 2, ...)."""
+        self.gpu.epoch += 1
+        return self.gpu.epoch
+
+    def written_in_flight(self, ids: list[int]) -> bool:
+        """Whether a step may still be writing one of these blocks: one launched before the block
+        was freed whose work has not ended (steps_done, which the engine advances as it reads
+        the steps' tokens). Only what the device does apart from the steps needs to know (a KV
+        pull: steps are ordered among themselves)."""
+        freed_at, done = self.gpu.freed_at, self.steps_done
+        return any(freed_at[i] > done for i in ids)
 
     def copy_to_host(self, gpu_ids: list[int], host_ids: list[int]) -> None:
         self._copy(True, gpu_ids, host_ids)

@@ -4,54 +4,113 @@ transfer of the rank that holds the pool, distributed/kv_transfer.py).
 A prefill instance runs a request that asks for it (kv_transfer_params {"do_remote_decode": true},
 max_tokens 1) as any other; when it finishes, its prompt's blocks stay held under a lease, and
 its output's kv_transfer_params say where they are: the pool's agent, the block ids, the number of
-tokens. The lease ends when the decode instance releases the request (after its pull, or when it
-gives up on it), or after kv_lease_s: then the blocks are freed (they stay in the prefix cache).
-Held blocks are the bound on what awaits pickup: when they fill the pool, new prompts wait for a
-lease to end (back-pressure), and nothing else is held.
+tokens, the seconds the lease has left (remote_lease_s) and what the KV is (remote_compat: the
+model's weights fingerprint, dtype, layout). A lease holds a reference on each block and a lock on
+the prompt's node of the prefix cache, as a live request does, so eviction never counts its
+blocks as free. It ends when the decode instance releases the request (LeaseNotice "pulled" or
+"release"), when the request is aborted here (the router gives up on it), or kv_lease_s after it
+was last renewed: then the blocks are freed (they stay in the prefix cache). Held blocks are the
+bound on what awaits pickup: when they fill the pool, new prompts wait for a lease to end
+(back-pressure). A "pulled" notice for a lease that has ended counts as a late pull.
 
-A decode instance admits a request carrying those parameters (Scheduler._admit_pull) with blocks
-for its whole prompt, its own prefix cache first; the blocks its cache lacks, up to the prompt's
-last token, are pulled; once they land the request computes that last token and samples from it,
-as if it had prefilled the prompt itself. A failed pull (the prefill instance gone) frees its
-blocks and the request prefills here instead; an aborted request's blocks are freed once its
-pull has ended (the pull writes into them). With n > 1 the first completion pulls; the others
-wait for it and take its blocks from the prefix cache.
-In sync mode each pull completes before the engine goes on, and a prefill instance admits no
-prompt while a lease is held.
+A decode instance takes a request carrying those parameters with a deadline: the lease's time left
+when it arrived. While the request waits here it renews the lease (a "renew" notice once a
+third of that time has passed), so a queue does not outlast it. When the scheduler admits the request
+(Scheduler._admit_pull: blocks for its whole prompt, its own prefix cache first) the blocks its
+cache lacks, up to the prompt's last token, are pulled; once they land the request computes that
+last token and samples from it, as if it had prefilled the prompt itself. A pull has a deadline:
+kv_pull_timeout_s, and never later than LEASE_MARGIN before the lease's end. A request is
+prefilled here instead when the prefill instance's KV is not this instance's (compat), when its
+lease has too little time left to start, when its pull fails (the prefill instance gone), and
+when its pull misses its deadline: then its blocks stay held (quarantined) until the transfer
+ends, for it may still write into them, and the request gets fresh ones. An aborted request
+releases its lease and ends at once (a pull in flight is quarantined the same way). With n > 1
+the first completion pulls; the others wait for it (without holding back other requests) and
+take its blocks from the prefix cache.
+In sync mode a decode instance admits no request while a pull is in flight (the running ones go
+on), and a prefill instance admits no prompt while a lease is held.
 
-Invariants (LLMEngine.check_invariants): every leased block holds one reference of the lease; a
-request being pulled holds the blocks of its whole prompt.
+The deadlines rest on one assumption: the time from the prefill instance's answer to the decode
+instance's arrival, plus a notice's delivery, is well under LEASE_MARGIN.
+
+Invariants (LLMEngine.check_invariants): every leased block holds one reference of the lease and
+every lease one lock on its node; every quarantined block one reference; a request being pulled
+holds the blocks of its whole prompt.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from picovllm.config import EngineConfig
-from picovllm.distributed.kv_transfer import KVTransfer
+from picovllm.distributed.kv_transfer import KVTransfer, LeaseNotice
 from picovllm.engine.block_manager import BlockManager
-from picovllm.engine.request import Request
+from picovllm.engine.request import Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler
 
 logger = logging.getLogger("picovllm")
 
+LEASE_MARGIN_S = 1.0  # a pull ends this long before the lease does (at most a quarter of the lease)
+
+
+@dataclass
+class _Lease:
+    """A prefill instance's: a prompt's blocks held for a decode instance, and their tree lock."""
+
+    blocks: list[int]
+    node: object  # (the prefix cache's node it locks; None with the cache off)
+    deadline: float  # time.monotonic()
+
+
+@dataclass
+class _Pending:
+    """A decode instance's request whose prompt KV a prefill instance holds for it."""
+
+    req: Request
+    deadline: float  # the lease's end, as far as this side knows (time.monotonic())
+    length: float  # the lease's time left when the request arrived: what a renewal adds
+    renewed: float  # when the lease was last renewed (or the request arrived)
+    pull: _Pull | None = None
+
+
+@dataclass
+class _Pull:
+    pull_id: str
+    blocks: list[int]  # the local blocks it writes
+    started: float  # time.perf_counter()
+    deadline: float  # time.monotonic()
+
 
 class KVHandoff:
-    def __init__(self, config: EngineConfig, transfer: KVTransfer, scheduler: Scheduler, block_bytes: int):
+    def __init__(self, config: EngineConfig, transfer: KVTransfer, scheduler: Scheduler, block_bytes: int, compat):
         self.role, self.sync, self.lease_s = config.kv_role, config.kv_transfer_mode == "sync", config.kv_lease_s
+        self.pull_timeout_s = config.kv_pull_timeout_s
         self.transfer = transfer
         self.scheduler = scheduler
         self.bm: BlockManager = scheduler.block_manager
-        self.leases: dict[str, tuple[list[int], float]] = {}  # request id -> (blocks held, deadline)
-        self.pulling: dict[str, Request] = {}  # request id -> request, its pull in flight
-        self.aborted: set[str] = set()  # pulls in flight whose requests were aborted
-        self.started: dict[str, float] = {}  # pull id -> when it started
+        self.compat = compat  # what this instance's KV is (kv_compat)
+        self.leases: dict[str, _Lease] = {}  # prefill: request id -> its lease
+        self.pending: dict[str, _Pending] = {}  # decode: request id -> its lease, and its pull
+        self.pulls: dict[str, _Pending] = {}  # decode: pull id -> the request it is for
+        self.quarantined: dict[str, list[int]] = {}  # decode: pull id -> blocks it may still write
+        self._pull_ids = itertools.count()
         self.block_bytes = block_bytes  # one block, every layer's K and V
         self.metrics = dict.fromkeys(METRICS, 0)
         self.transfer_time = [0] * (len(TRANSFER_TIME_BUCKETS) + 1)  # completed pulls per bucket (last: +Inf)
         self.transfer_time_sum = 0.0
+
+    def tick(self) -> None:
+        """Once a step, before scheduling: the notices and leases (prefill), the pulls and the
+        renewals (decode)."""
+        if self.role == "prefill":
+            self._end_leases()
+        else:
+            self._poll()
+            self._renew()
 
     # ---- prefill side -----------------------------------------------------------------------
 
@@ -59,109 +118,208 @@ class KVHandoff:
         """Hold a finished request's prompt blocks for its decode instance; what to tell it."""
         blocks = req.block_table[: self.bm.blocks_needed(req.num_computed_tokens)]
         self.bm.inc_ref(blocks)
-        self.leases[req.request_id] = (blocks, time.monotonic() + self.lease_s)
+        node = req.lock_node
+        if node is not None:
+            self.scheduler.cache.tree.lock(node, +1)
+        self.leases[req.request_id] = _Lease(blocks, node, time.monotonic() + self.lease_s)
         return {
             "remote_agent": self.transfer.agent_info(),
             "remote_request_id": req.request_id,
             "remote_block_ids": blocks,
             "remote_num_tokens": req.num_computed_tokens,
+            "remote_lease_s": self.lease_s,
+            "remote_compat": self.compat,
         }
 
-    def end_leases(self) -> None:
-        """Free the blocks decode instances released, and those whose lease ran out."""
-        for rid in self.transfer.released():
-            self._free_lease(rid)
+    def _end_leases(self) -> None:
+        """Take the notices in, then free the leases that ran out."""
+        for notice in self.transfer.notices():
+            lease = self.leases.get(notice.request_id)
+            if notice.kind == "renew":
+                if lease is not None:
+                    lease.deadline = time.monotonic() + self.lease_s
+            elif lease is not None:
+                self.end_lease(notice.request_id)
+            elif notice.kind == "pulled":
+                self.metrics["kv_late_pulls"] += 1
+                logger.error("request %s: a decode instance read its KV after the lease had ended", notice.request_id)
         now = time.monotonic()
-        for rid in [rid for rid, (_, deadline) in self.leases.items() if deadline < now]:
+        for rid in [rid for rid, lease in self.leases.items() if lease.deadline < now]:
             self.metrics["kv_leases_expired"] += 1
-            self._free_lease(rid)
+            self.end_lease(rid)
 
-    def _free_lease(self, request_id: str) -> None:
+    def end_lease(self, request_id: str) -> bool:
+        """Free a lease's blocks and its lock (False: no such lease)."""
         lease = self.leases.pop(request_id, None)
-        if lease is not None:
-            self.bm.free(lease[0])
+        if lease is None:
+            return False
+        self.bm.free(lease.blocks)
+        if lease.node is not None:
+            self.scheduler.cache.tree.lock(lease.node, -1)
+        return True
 
     @property
     def admission_paused(self) -> bool:
-        """Sync mode on a prefill instance: no new prompt while a transfer is pending."""
-        return self.sync and self.role == "prefill" and bool(self.leases)
+        """Sync mode: a prefill instance admits no prompt while it holds a lease, a decode instance
+        no request while a pull is in flight."""
+        return self.sync and bool(self.leases if self.role == "prefill" else self.pulls)
 
     # ---- decode side ------------------------------------------------------------------------
 
+    def expect(self, req: Request) -> None:
+        """A request arrived whose prompt KV a prefill instance holds (its lease's clock starts)."""
+        now = time.monotonic()
+        length = float(req.kv_transfer_params["remote_lease_s"])
+        self.pending[req.request_id] = _Pending(req, now + length, length, now)
+
+    def _margin(self, p: _Pending) -> float:
+        return min(LEASE_MARGIN_S, p.length / 4)
+
+    def _renew(self) -> None:
+        """Renew the leases a third gone of the requests still here; a request not yet pulling
+        whose lease is too close to its end to pull (it was not renewed: this engine did not run)
+        is prefilled here."""
+        now = time.monotonic()
+        for p in list(self.pending.values()):
+            if p.pull is None and p.deadline - now < 2 * self._margin(p):
+                self.metrics["kv_pulls_skipped"] += 1
+                logger.warning(
+                    "request %s: the prefill instance's lease ends too soon to pull: prefilling here", p.req.request_id
+                )
+                self._prefill_here(p)
+            elif now - p.renewed > p.length / 3:
+                self._notify(p, "renew")
+                p.renewed, p.deadline = now, now + p.length
+
     def start(self, req: Request) -> None:
         """Start pulling the blocks of req's prompt that its prefix cache lacks (up to its last
-        token); in sync mode, wait for it (see poll)."""
+        token), or prefill it here (see the module's docstring)."""
+        p = self.pending[req.request_id]
         params = req.kv_transfer_params
         first = req.num_computed_tokens // self.bm.block_size
         last = self.bm.blocks_needed(req.num_prompt_tokens - 1)
-        if first >= last:
-            self._release(req)
+        now = time.monotonic()
+        deadline = min(now + self.pull_timeout_s, p.deadline - self._margin(p))
+        problem = _compat_problem(params["remote_compat"], self.compat)
+        if problem is not None:
+            self.metrics["kv_transfers_incompatible"] += 1
+            logger.error(
+                "request %s: the prefill instance's KV is not this instance's (%s): prefilling here",
+                req.request_id,
+                problem,
+            )
+        elif deadline - now < self._margin(p):
+            self.metrics["kv_pulls_skipped"] += 1
+            logger.warning(
+                "request %s: the prefill instance's lease ends too soon to pull: prefilling here", req.request_id
+            )
+        elif first >= last:  # (its own prefix cache holds all of it)
+            self._give_up(p, "release")
             self.scheduler.pulled(req)
             return
-        remote = params["remote_block_ids"][first:last]
-        self.pulling[req.request_id] = req
-        self.metrics["kv_transfers_started"] += 1
-        self.metrics["kv_transfer_blocks"] += len(remote)
-        self.metrics["kv_transfer_bytes"] += len(remote) * self.block_bytes
-        self.started[req.request_id] = time.perf_counter()
-        self.transfer.pull(req.request_id, params["remote_agent"], remote, req.block_table[first:last])
-        while self.sync and req.request_id in self.pulling:
-            self.poll()
+        else:
+            pull_id = f"{req.request_id}#{next(self._pull_ids)}"
+            blocks = req.block_table[first:last]
+            p.pull = _Pull(pull_id, blocks, time.perf_counter(), deadline)
+            self.pulls[pull_id] = p
+            remote = params["remote_block_ids"][first:last]
+            self.metrics["kv_transfers_started"] += 1
+            self.metrics["kv_transfer_blocks"] += len(remote)
+            self.metrics["kv_transfer_bytes"] += len(remote) * self.block_bytes
+            self.transfer.pull(pull_id, params["remote_agent"], remote, blocks, self.bm.written_in_flight(blocks))
+            return
+        self._prefill_here(p)
 
-    def poll(self) -> None:
-        """The pulls that ended since the last call: their requests run now. A failed pull puts
-        its request back in the queue to prefill here, as vLLM's "recompute" policy does; an
-        aborted request is finished once its pull has ended."""
-        if not self.pulling:
+    def _poll(self) -> None:
+        """The pulls that ended since the last call, and those past their deadline: a request whose
+        pull landed in time runs now; one whose pull failed or missed its deadline is prefilled
+        here, as vLLM's "recompute" policy does."""
+        if not (self.pulls or self.quarantined):
             return
         done, failed = self.transfer.poll()
-        for rid in done + list(failed):
-            req = self.pulling.pop(rid)
-            seconds = time.perf_counter() - self.started.pop(rid)
-            if rid not in failed:
-                self.transfer_time[bisect.bisect_left(TRANSFER_TIME_BUCKETS, seconds)] += 1
-                self.transfer_time_sum += seconds
-            self._release(req)
-            self.metrics["kv_transfers_failed" if rid in failed else "kv_transfers_done"] += 1
-            if rid in self.aborted:
-                self.aborted.discard(rid)
-                self.scheduler.finish(req, "abort")
-            elif rid in failed:
-                logger.warning("request %s: KV pull failed (%s); prefilling it here", rid, failed[rid])
-                self.scheduler.requeue(req)
-            else:
-                self.scheduler.pulled(req)
+        now = time.monotonic()
+        for pull_id in done + list(failed):
+            if pull_id in self.quarantined:  # (given up on: its blocks are free to use again)
+                self.bm.free(self.quarantined.pop(pull_id))
+                continue
+            p = self.pulls.pop(pull_id)
+            req, pull = p.req, p.pull
+            p.pull = None
+            if pull_id in failed or now > pull.deadline:
+                self.metrics["kv_transfers_failed"] += 1
+                why = failed.get(pull_id, "it ended past its deadline")
+                logger.warning("request %s: KV pull failed (%s); prefilling it here", req.request_id, why)
+                self._prefill_here(p)
+                continue
+            seconds = time.perf_counter() - pull.started
+            self.transfer_time[bisect.bisect_left(TRANSFER_TIME_BUCKETS, seconds)] += 1
+            self.transfer_time_sum += seconds
+            self.metrics["kv_transfers_done"] += 1
+            self._give_up(p, "pulled")
+            self.scheduler.pulled(req)
+        for p in [p for p in self.pulls.values() if now > p.pull.deadline]:
+            self.metrics["kv_transfers_timed_out"] += 1
+            logger.warning("request %s: KV pull past its deadline; prefilling it here", p.req.request_id)
+            self._quarantine(p)
+            self._prefill_here(p)
 
-    def abort(self, req: Request) -> bool:
-        """True if req's pull is in flight: it is finished when the pull ends (its blocks are
-        being written), not now."""
-        if req.request_id in self.pulling:
-            self.aborted.add(req.request_id)
-            return True
-        return False
+    def _prefill_here(self, p: _Pending) -> None:
+        """p's request no longer waits for the prefill instance: release the lease and queue it
+        (again) to prefill here."""
+        self._give_up(p, "release")
+        if p.req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.scheduler.requeue(p.req)  # (its blocks back; it clears the parameters)
+        else:
+            p.req.kv_transfer_params = None
 
-    def _release(self, req: Request) -> None:
-        params = req.kv_transfer_params
-        self.transfer.release(params["remote_agent"], params["remote_request_id"])
+    def _quarantine(self, p: _Pending) -> None:
+        """Keep the blocks of p's pull in flight held until the transfer ends (it may still write
+        them); p's request no longer waits for it."""
+        pull = p.pull
+        del self.pulls[pull.pull_id]
+        self.bm.inc_ref(pull.blocks)
+        self.quarantined[pull.pull_id] = pull.blocks
+        p.pull = None
+
+    def _give_up(self, p: _Pending, kind: str) -> None:
+        """Done with p's lease: tell the prefill instance ("pulled" or "release")."""
+        del self.pending[p.req.request_id]
+        self._notify(p, kind)
+
+    def _notify(self, p: _Pending, kind: str) -> None:
+        params = p.req.kv_transfer_params
+        self.transfer.notify(params["remote_agent"], LeaseNotice(kind, params["remote_request_id"]))
+
+    def abort(self, req: Request) -> None:
+        """Before req is finished as aborted: release its lease (a pull in flight quarantined)."""
+        p = self.pending.get(req.request_id)
+        if p is None or p.req is not req:
+            return
+        if p.pull is not None:
+            self._quarantine(p)
+        self._give_up(p, "release")
 
     # ---- both ---------------------------------------------------------------------------------
 
     @property
     def busy(self) -> bool:
-        """Work that needs polling while no request is runnable: pulls in flight, leases held."""
-        return bool(self.pulling or self.leases)
+        """Work to watch while no request is runnable: leases held, pulls in flight or quarantined."""
+        return bool(self.leases or self.pending or self.quarantined)
 
-    def held_blocks(self) -> list[list[int]]:
-        return [blocks for blocks, _ in self.leases.values()]
+    def held(self) -> list[tuple[list[int], object]]:
+        """(blocks, tree node) of each holder outside requests: leases, quarantined pulls (no node)."""
+        return [(lease.blocks, lease.node) for lease in self.leases.values()] + [
+            (blocks, None) for blocks in self.quarantined.values()
+        ]
 
     def get_metrics(self) -> dict:
         """METRICS and GAUGES by name, and the completed pulls' times: kv_transfer_time_buckets
         (counts per TRANSFER_TIME_BUCKETS bucket, then above the last) and kv_transfer_time_sum."""
-        held = sum(len(b) for b in self.held_blocks())
         return {
             **self.metrics,
             **self.transfer.stats(),
-            "kv_blocks_held_for_pickup": held,
+            "kv_blocks_held_for_pickup": sum(len(lease.blocks) for lease in self.leases.values()),
+            "kv_blocks_quarantined": sum(len(b) for b in self.quarantined.values()),
             "kv_transfer_time_buckets": list(self.transfer_time),
             "kv_transfer_time_sum": self.transfer_time_sum,
         }
@@ -171,13 +329,45 @@ METRICS = {  # LLMEngine.get_metrics' keys of a prefill or decode instance, and 
     "kv_transfers_started": "KV pulls started (decode instance).",
     "kv_transfers_done": "KV pulls completed (decode instance).",
     "kv_transfers_failed": "KV pulls failed; their requests prefilled locally (decode instance).",
+    "kv_transfers_timed_out": "KV pulls past kv_pull_timeout_s or their lease; prefilled locally (decode instance).",
+    "kv_transfers_incompatible": "Requests whose prefill instance's KV is not this instance's; prefilled locally "
+    "(decode instance).",
+    "kv_pulls_skipped": "Requests whose lease ended too soon to pull; prefilled locally (decode instance).",
     "kv_transfer_blocks": "KV blocks pulled (decode instance).",
     "kv_transfer_bytes": "KV bytes pulled (decode instance).",
     "kv_leases_expired": "Prompts whose KV no decode instance pulled in time (prefill instance).",
+    "kv_late_pulls": "Pulls reported for leases that had ended (prefill instance).",
     "kv_transfers_cuda_ipc": "KV pulls copied through CUDA IPC, not NIXL (decode instance).",
 }
-GAUGES = {"kv_blocks_held_for_pickup": "KV blocks held for decode instances to pull (prefill instance)."}
+GAUGES = {
+    "kv_blocks_held_for_pickup": "KV blocks held for decode instances to pull (prefill instance).",
+    "kv_blocks_quarantined": "KV blocks held until a pull given up on ends (decode instance).",
+}
 TRANSFER_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def kv_compat(model_fingerprint: str, dtype, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int):
+    """What a pool's KV is: two instances may exchange blocks only if theirs are equal."""
+    from picovllm import __version__
+
+    return {
+        "model": model_fingerprint,
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_layout": "layers,2,blocks,kv_heads,block_size,head_dim",
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "version": __version__,
+    }
+
+
+def _compat_problem(remote, local: dict) -> str | None:
+    if remote == local:
+        return None
+    if not isinstance(remote, dict):
+        return "no description of its KV"
+    return "; ".join(f"{k} {remote.get(k)!r} there, {v!r} here" for k, v in local.items() if remote.get(k) != v)
 
 
 def check_kv_transfer_params(kv, role: str, block_size: int, ids: list[int], n: int) -> None:
@@ -204,9 +394,18 @@ def _kv_params_problem(kv, role: str, block_size: int, ids: list[int], n: int) -
             f"the prefill instance computed {kv.get('remote_num_tokens')} prompt tokens, "
             f"this prompt has {len(ids)}: not the same prompt"
         )
-    blocks = kv.get("remote_block_ids")
+    agent, blocks = kv.get("remote_agent"), kv.get("remote_block_ids")
+    if not isinstance(agent, dict) or not isinstance(kv.get("remote_request_id"), str):
+        return "remote_agent or remote_request_id missing"
+    ranks = agent.get("ranks")
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+        return "remote_agent has no ranks"
     if not isinstance(blocks, list) or len(blocks) * block_size < len(ids) - 1:
         return "remote_block_ids do not cover the prompt"
-    if not isinstance(kv.get("remote_agent"), dict) or not isinstance(kv.get("remote_request_id"), str):
-        return "remote_agent or remote_request_id missing"
+    pool = min(r.get("num_blocks") if isinstance(r.get("num_blocks"), int) else 0 for r in ranks)
+    if not all(type(b) is int and 0 <= b < pool for b in blocks):
+        return f"remote_block_ids must be block ids of the prefill instance's pool (0..{pool - 1})"
+    lease = kv.get("remote_lease_s")
+    if type(lease) not in (int, float) or not lease > 0:
+        return "remote_lease_s must be a number > 0"
     return None

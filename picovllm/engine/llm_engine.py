@@ -23,7 +23,7 @@ from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
-from picovllm.engine.kv_handoff import KVHandoff, check_kv_transfer_params
+from picovllm.engine.kv_handoff import KVHandoff, check_kv_transfer_params, kv_compat
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
 from picovllm.executor.executor import Executor, WorkerError
@@ -41,14 +41,15 @@ _MAX_SEED = 2**63 - 1
 
 class _Step(NamedTuple):
     """A launched forward: its batch, the requests that sample, their sampled tokens on the
-    device (the next step's inputs when launched ahead), and the samples on their way to the
-    host (pinned memory, ready once `copied` has passed)."""
+    device (the next step's inputs when launched ahead), the samples on their way to the host
+    (pinned memory, ready once `copied` has passed), and its number (BlockManager.step_launched)."""
 
     batch: ScheduledBatch
     reqs: list[Request]
     tokens: torch.Tensor | None
     sampled: SamplerOutput | None
     copied: torch.cuda.Event | None
+    number: int
 
 
 def _to_host(out: SamplerOutput) -> SamplerOutput:
@@ -165,9 +166,20 @@ class LLMEngine:
             config.preemption_mode,
         )
         self.groups: dict[str, _Group] = {}
+        mc = self.model_config
+        self.kv_compat = kv_compat(  # (what this instance's KV is: disaggregated serving's peers must agree)
+            self.model_runner.model.weights_fingerprint,
+            self.dtype,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            config.block_size,
+        )
         self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
         if config.kv_role != "both":
-            self.kv_handoff = KVHandoff(config, self.executor.kv_transfer, self.scheduler, self.kv_block_bytes)
+            self.kv_handoff = KVHandoff(
+                config, self.executor.kv_transfer, self.scheduler, self.kv_block_bytes, self.kv_compat
+            )
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
         self.async_scheduling = config.async_scheduling
@@ -251,18 +263,24 @@ class LLMEngine:
             if self.detokenizer is not None:
                 self.detokenizer.start(req)
             children.append(req)
+        if kv_transfer_params is not None and "remote_block_ids" in kv_transfer_params:
+            self.kv_handoff.expect(children[0])
         self.groups[request_id] = _Group(text, ids, children, time.time())
         for req in children:
             self.scheduler.add(req)
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Stop requests (unknown or finished ids are ignored) and free their blocks."""
+        """Stop requests (unknown or finished ids are ignored) and free their blocks; on a prefill
+        instance a finished request's held KV too (its decode instance will not pull it)."""
         ids = [request_id] if isinstance(request_id, str) else request_id
         for rid in ids:
             group = self.groups.pop(rid, None)
             for req in group.children if group else []:
-                if self.kv_handoff is None or not self.kv_handoff.abort(req):  # (else: when its pull ends)
-                    self.scheduler.finish(req, "abort")
+                if self.kv_handoff is not None:
+                    self.kv_handoff.abort(req)
+                self.scheduler.finish(req, "abort")
+            if group is None and self.kv_handoff is not None:
+                self.kv_handoff.end_lease(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -318,8 +336,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.kv_handoff is not None:
-            self.kv_handoff.end_leases()
-            self.kv_handoff.poll()
+            self.kv_handoff.tick()
         step = self._inflight
         if step is None:
             batch = self._schedule()
@@ -330,6 +347,8 @@ class LLMEngine:
         launched = time.perf_counter()
         if step.copied is not None:
             step.copied.synchronize()  # the step's one device-to-host transfer
+        if step.copied is not None or self.device.type != "cuda":  # (its work, and all before it, has ended)
+            self.block_manager.steps_done = step.number
         tokens = step.sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
         outputs = self._process(step.reqs, tokens, step.sampled)
@@ -367,6 +386,7 @@ class LLMEngine:
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         sampling = self._sampling_batch(reqs) if reqs else None
         sampled = self.executor.run(step, sampling, pending)
+        number = self.block_manager.step_launched()
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         tokens, copied = (sampled.sampled if sampled is not None else None), None
@@ -374,7 +394,7 @@ class LLMEngine:
             sampled = _to_host(sampled)
             copied = torch.cuda.Event()
             copied.record()
-        return _Step(batch, reqs, tokens, sampled, copied)
+        return _Step(batch, reqs, tokens, sampled, copied, number)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
@@ -543,7 +563,7 @@ class LLMEngine:
         launched ahead has computed all its tokens (the one being sampled is not appended yet);
         the host tier's copies equal their GPU blocks."""
         ahead = self._inflight.batch.requests if self._inflight is not None else []
-        self.scheduler.check_invariants(ahead, self.kv_handoff.held_blocks() if self.kv_handoff else ())
+        self.scheduler.check_invariants(ahead, self.kv_handoff.held() if self.kv_handoff else ())
         tree = self.scheduler.cache.tree
         if self.block_manager.host is not None and tree is not None and not self.block_manager.copies:
             # a node in both tiers holds the same KV in both (rank 0's pools; no copy pending)

@@ -219,15 +219,15 @@ class PrefixCache:
         self.hit_tokens += num_cached
         self.host_hit_tokens += num_host
 
-    def check_invariants(self, live: list[Request], held: list[list[int]] = (), swapped: list[Request] = ()) -> None:
-        """Every GPU block's ref = live requests holding it + other holders (`held`: one
-        reference a list) + 1 if the tree holds it; every host block's = 1 if the tree or a
-        swapped-out request holds it; every node's lock_ref = live requests locked at or below
-        it; free + used = total in each pool."""
+    def check_invariants(self, live: list[Request], held: list[tuple] = (), swapped: list[Request] = ()) -> None:
+        """Every GPU block's ref = live requests holding it + other holders (`held`: (blocks, node)
+        pairs, one reference on each block) + 1 if the tree holds it; every host block's = 1 if the
+        tree or a swapped-out request holds it; every node's lock_ref = live requests and other
+        holders locked at or below it; free + used = total in each pool."""
         bm = self.block_manager
         expected = [0] * bm.num_total_blocks
         expected_host = [0] * (bm.host.num_blocks if bm.host is not None else 0)
-        for blocks in [r.block_table for r in live] + list(held):
+        for blocks in [r.block_table for r in live] + [blocks for blocks, _ in held]:
             for b in blocks:
                 expected[b] += 1
         for r in swapped:
@@ -241,8 +241,7 @@ class PrefixCache:
                 for b in node.host or ():
                     expected_host[b] += 1
             locks: dict[int, int] = {}
-            for req in live:
-                node = req.lock_node
+            for node in [req.lock_node for req in live] + [node for _, node in held]:
                 while node is not None and node is not self.tree.root:
                     locks[id(node)] = locks.get(id(node), 0) + 1
                     node = node.parent

@@ -138,43 +138,59 @@ class Scheduler:
         return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        cache = self.cache
-        while (
-            not self.paused
-            and self.waiting
-            and budget > 0
-            and len(self.running) + len(self.transferring) < self.max_num_seqs
-        ):
-            req = self.waiting[0]
-            if req.after is not None and req.after.status in _NOT_YET_PULLED:
-                break  # (a sibling whose prompt KV is being pulled: its blocks come next)
-            if req.status == RequestStatus.SWAPPED:
-                if not self._swap_in(batch, req, budget):
+        """Admit waiting requests FCFS while they fit; a request is taken off the queue only once
+        its blocks are its own. A sibling waiting for its first completion's pull (n > 1) stays
+        queued without holding back the requests behind it."""
+        cache, skipped = self.cache, []
+        try:
+            while (
+                not self.paused
+                and self.waiting
+                and budget > 0
+                and len(self.running) + len(self.transferring) < self.max_num_seqs
+            ):
+                req = self.waiting[0]
+                if req.after is not None and req.after.status in _NOT_YET_PULLED:
+                    skipped.append(self.waiting.popleft())  # (its blocks come with the sibling's)
+                    continue
+                if req.status == RequestStatus.SWAPPED:
+                    if not self._swap_in(batch, req, budget):
+                        break
+                    budget -= batch.num_new_tokens[-1]
+                    continue
+                cache.acquire(req)
+                if _pulls(req):
+                    if not self._admit_pull(req):
+                        break
+                    continue
+                remaining = req.num_tokens - req.num_computed_tokens
+                n = min(remaining, budget) if self.enable_chunked_prefill else remaining
+                needed = self.block_manager.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
+                # Keep one block per running request in reserve for its next decode step, so that a
+                # new admission is not preempted straight away; an empty engine admits whatever fits.
+                reserve = len(self.running)
+                if n > budget or needed + reserve > cache.num_available_blocks:
+                    cache.release(req)
                     break
-                budget -= batch.num_new_tokens[-1]
-                continue
-            cache.acquire(req)
-            if _pulls(req):
-                if not self._admit_pull(req):
-                    break
-                continue
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = min(remaining, budget) if self.enable_chunked_prefill else remaining
-            needed = self.block_manager.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
-            # Keep one block per running request in reserve for its next decode step, so that a
-            # new admission is not preempted straight away; an empty engine admits whatever fits.
-            reserve = len(self.running)
-            if n > budget or needed + reserve > cache.num_available_blocks:
-                cache.release(req)
-                break
-            self.waiting.popleft()
-            cache.allocate(req, needed)
-            cache.insert(req, req.num_computed_tokens + n)
-            self._count_prompt_hits(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.add(req, n)
-            budget -= n
+                self._allocate(req, needed)
+                self.waiting.popleft()
+                cache.insert(req, req.num_computed_tokens + n)
+                self._count_prompt_hits(req)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                batch.add(req, n)
+                budget -= n
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _allocate(self, req: Request, n: int) -> None:
+        """n more blocks for a request being admitted; if they cannot be had (num_available_blocks
+        promised them), it gives back what it holds and the error goes on."""
+        try:
+            self.cache.allocate(req, n)
+        except Exception:
+            self.cache.release(req)
+            raise
 
     def _swap_in(self, batch: ScheduledBatch, req: Request, budget: int) -> bool:
         """Resume a swapped-out request: its blocks back from the host, and its next tokens in
@@ -185,8 +201,8 @@ class Scheduler:
         needed = self.block_manager.blocks_needed(req.num_swapped_tokens + n)
         if n > budget or needed + len(self.running) > self.cache.num_available_blocks:
             return False
-        self.waiting.popleft()
         self.cache.swap_in(req, needed)
+        self.waiting.popleft()
         self.cache.insert(req, req.num_computed_tokens + n)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -202,8 +218,8 @@ class Scheduler:
         if needed + len(self.running) > cache.num_available_blocks:
             cache.release(req)
             return False
+        self._allocate(req, needed)
         self.waiting.popleft()
-        cache.allocate(req, needed)
         self._count_prompt_hits(req)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.transferring.append(req)
@@ -272,10 +288,11 @@ class Scheduler:
         ids, self.finished_ids = self.finished_ids, []
         return ids
 
-    def check_invariants(self, ahead: list[Request] = (), held: list[list[int]] = ()) -> None:
+    def check_invariants(self, ahead: list[Request] = (), held: list[tuple[list[int], object]] = ()) -> None:
         """`ahead`: requests in a step launched before the last one's tokens were read; they have
-        computed every token they hold (the next one is on the device). `held`: blocks a
-        prefill instance holds for decode instances to pull (one reference each)."""
+        computed every token they hold (the next one is on the device). `held`: (blocks, tree
+        node) of holders other than requests (engine/kv_handoff.py: leases, quarantined pulls):
+        one reference on each block, one lock on the node (None: no lock)."""
         ahead_ids = set(map(id, ahead))
         assert all(not r.block_table and r.lock_node is None for r in self.waiting)
         assert all(

@@ -195,7 +195,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
-    for name in ("kv_role", "kv_transfer_mode", "kv_lease_s", "kv_transfer_backend"):  # (serve's)
+    for name in ("kv_role", "kv_transfer_mode", "kv_lease_s", "kv_pull_timeout_s", "kv_transfer_backend"):  # (serve's)
         if hasattr(args, name):
             kwargs[name] = getattr(args, name)
     return kwargs

@@ -27,7 +27,7 @@ import torch
 from picovllm import envs
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import BroadcastChannel
-from picovllm.distributed.kv_transfer import KVTransfer
+from picovllm.distributed.kv_transfer import KVTransfer, LeaseNotice
 from picovllm.distributed.parallel_state import check_torchrun_world, destroy_distributed, init_distributed
 from picovllm.model.layers.linear import check_tp_heads
 from picovllm.worker.inputs import StepInputs
@@ -247,7 +247,7 @@ class Executor:
 class _RankedKVTransfer(KVTransfer):
     """Every rank's KV transfer as one: the ranks' pools described together; a pull started on
     every rank (each its own heads) and ended when all have ended (a failure reported only then:
-    the other ranks may still be writing the blocks); releases and their notices on rank 0."""
+    the other ranks may still be writing the blocks); lease notices on rank 0."""
 
     def __init__(self, executor: Executor):
         self.executor, self.driver = executor, executor.driver.kv_transfer
@@ -266,9 +266,9 @@ class _RankedKVTransfer(KVTransfer):
             self.info = {"ranks": ranks}
         return self.info
 
-    def pull(self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int]) -> None:
-        self.executor._publish(("kv_pull", pull_id, remote, remote_blocks, local_blocks))
-        self.driver.pull(pull_id, remote, remote_blocks, local_blocks)
+    def pull(self, pull_id, remote: dict, remote_blocks: list[int], local_blocks: list[int], after=False) -> None:
+        self.executor._publish(("kv_pull", pull_id, remote, remote_blocks, local_blocks, after))
+        self.driver.pull(pull_id, remote, remote_blocks, local_blocks, after)
 
     def poll(self) -> tuple[list[str], dict[str, str]]:
         answers = [self.driver.poll()]
@@ -291,11 +291,11 @@ class _RankedKVTransfer(KVTransfer):
                     failed[pull_id] = why
         return done, failed
 
-    def release(self, remote: dict, request_id: str) -> None:
-        self.driver.release(remote, request_id)
+    def notify(self, remote: dict, notice: LeaseNotice) -> None:
+        self.driver.notify(remote, notice)
 
-    def released(self) -> list[str]:
-        return self.driver.released()
+    def notices(self) -> list[LeaseNotice]:
+        return self.driver.notices()
 
     def stats(self) -> dict[str, int]:
         return self.driver.stats()

@@ -43,7 +43,7 @@ def _model_runner(config: EngineConfig, device: torch.device, max_model_len: int
 def _follow(runner, recv, reply=None) -> None:
     """Run rank 0's messages until its None: ("kv", num_blocks, num_host_blocks), ("graphs", max_num_seqs,
     max_model_len, mixed_graph_tokens), ("step", StepInputs, num_pending); a prefill or decode
-    instance's ("kv_info",), ("kv_pull", pull_id, remote, remote_blocks, local_blocks) and
+    instance's ("kv_info",), ("kv_pull", pull_id, remote, remote_blocks, local_blocks, after) and
     ("kv_poll",), the first and last answered through reply. The graphs are freed before the
     process group is (a graph holding NCCL's work hung at exit otherwise)."""
     try:

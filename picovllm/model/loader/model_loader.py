@@ -4,6 +4,7 @@ the target dtype and device."""
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import zlib
@@ -115,12 +116,26 @@ def _dummy_tensors(cfg: ModelConfig, seed: int, device: torch.device) -> Iterato
         yield name, torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
 
 
+def _tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
+    """A tensor's name, shape, dtype and 64 of its values spread over it."""
+    flat = tensor.reshape(-1)
+    n, k = flat.numel(), min(64, flat.numel())
+    picks = torch.arange(k, device=flat.device) * (n - 1) // max(k - 1, 1)
+    h = hashlib.sha256(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+    h.update(flat[picks].float().cpu().numpy().tobytes())
+    return h.digest()
+
+
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Copy every checkpoint tensor (each weight loader takes this rank's part) into its (possibly
-    fused) parameter; fail on anything missing, unexpected or of the wrong shape."""
+    fused) parameter; fail on anything missing, unexpected or of the wrong shape. Sets
+    model.weights_fingerprint: a digest of the whole checkpoint as loaded (every tensor, each in
+    full before it is sharded: every tensor-parallel rank of any size gets the same one), which
+    tells two instances of one model apart from instances of two (disaggregated serving's check)."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     loaded: set[str] = set()
+    digests: dict[str, bytes] = {}
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
@@ -135,6 +150,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
             raise ValueError(f"checkpoint weight {name!r} has no place in the model")
         param = params[target]
         tensor = tensor.to(param.dtype)
+        digests[name] = _tensor_digest(name, tensor)
         try:
             loader = getattr(param, "weight_loader", default_weight_loader)
             if shard is None:
@@ -157,6 +173,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
             f"weights missing from the checkpoint in {source}: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
+    model.weights_fingerprint = hashlib.sha256(b"".join(digests[n] for n in sorted(digests))).hexdigest()[:16]
 
 
 def load_model(
