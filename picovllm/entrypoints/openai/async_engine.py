@@ -19,6 +19,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -105,7 +106,8 @@ def frozen_heap():
         gc.unfreeze()
 
 
-KV_POLL_S = 0.01  # how often an idle engine holding KV transfers (leases) looks at them
+KV_POLL_S = 0.01  # the longest an engine with nothing to step waits before it looks at its KV transfers again
+KV_POLL_FIRST_S = 0.0002  # the first such waits (a pull may land any moment): 50 of them, then each twice the last
 
 
 def engine_loop(
@@ -114,17 +116,23 @@ def engine_loop(
     publish: Callable[[list[RequestOutput]], None],
     fail: Callable[[list[tuple[str, str]]], None],
 ) -> None:
-    """Apply commands and step while anything is unfinished, publishing each step's outputs
-    (and, when idle, an empty list: the metrics after aborts that left nothing to step).
+    """Apply commands and step while anything is unfinished, publishing each step's outputs.
     next_command(timeout) returns the next command, or None when none came within timeout
-    seconds (None: wait for one); it waits only while the engine is idle, and then no longer
-    than KV_POLL_S while KV transfers need watching (a prefill instance's leases). Returns at
-    STOP. Requests come in as DELTA outputs."""
+    seconds (None: wait for one). The loop waits for commands only while no step can run: for
+    ever when the engine is idle; when it has transfers to watch or requests that wait on them
+    (a decode instance's pulls, a prefill instance's leases), KV_POLL_FIRST_S for the first 10 ms,
+    then doubling up to KV_POLL_S, and a step then polls them. While nothing steps it publishes an empty list only
+    when the engine's metrics have changed (the metrics after aborts, a lease that ended).
+    Returns at STOP. Requests come in as DELTA outputs."""
+    polls = 0  # waits in a row with nothing stepped
+    published = None  # the metrics last published while nothing stepped
     while True:
-        idle = not engine.has_unfinished_requests()
-        if idle:
-            publish([])
-        wait = (KV_POLL_S if engine.kv_busy else None) if idle else 0
+        if engine.has_unfinished_requests() and not polls:
+            wait = 0
+        elif engine.has_unfinished_requests() or engine.kv_busy:
+            wait = min(KV_POLL_S, KV_POLL_FIRST_S * 2 ** max(0, polls - 50))
+        else:
+            wait = None
         while (cmd := next_command(wait)) is not None:
             if cmd == STOP:
                 return
@@ -134,13 +142,21 @@ def engine_loop(
                 engine.add_validated_request(rid, text, ids, params, kv)
             else:
                 engine.abort_request(cmd[1])
-            wait = 0
-        if engine.has_unfinished_requests():
-            publish(engine.step())
+            wait, polls = 0, 0
+        if engine.has_unfinished_requests() or engine.kv_busy:
+            steps = engine.num_steps
+            outputs = engine.step()
             if failed := engine.take_failed():  # (a step that raised: its requests, and why)
                 fail(failed)
-        elif engine.kv_busy:
-            engine.step()  # (releases and expired leases)
+            if outputs or engine.num_steps != steps:
+                publish(outputs)
+                published, polls = None, 0
+                continue
+            polls = min(polls + 1, 64)
+        metrics = engine.get_metrics()
+        if metrics != published:
+            publish([])
+            published = metrics
 
 
 class _Background:
@@ -152,6 +168,7 @@ class _Background:
     vocab_size: int
     max_model_len: int
     kv_role: str
+    kv_compat: dict
     block_size: int
     kv_lease_s: float
 
@@ -236,7 +253,7 @@ class AsyncEngine(_Background):
         self.tokenizer = engine.tokenizer
         self.vocab_size, self.max_model_len = engine.model_config.vocab_size, engine.max_model_len
         self.kv_role, self.block_size = engine.config.kv_role, engine.config.block_size
-        self.kv_lease_s = engine.config.kv_lease_s
+        self.kv_lease_s, self.kv_compat = engine.config.kv_lease_s, engine.kv_compat
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
         self._thread.start()
@@ -296,11 +313,15 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
                 "kv_role": engine.config.kv_role,
                 "block_size": engine.config.block_size,
                 "kv_lease_s": engine.config.kv_lease_s,
+                "kv_compat": engine.kv_compat,
             },
         )
     )
 
     def next_command(timeout: float | None) -> tuple | None:
+        if timeout is not None and 0 < timeout < 0.001:  # (a pipe's poll waits whole milliseconds)
+            time.sleep(timeout)
+            timeout = 0
         return commands.recv() if commands.poll(timeout) else None
 
     def publish(outs: list[RequestOutput]) -> None:
@@ -345,6 +366,7 @@ class EngineProcess(_Background):
             raise info
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
         self.kv_role, self.block_size, self.kv_lease_s = info["kv_role"], info["block_size"], info["kv_lease_s"]
+        self.kv_compat = info["kv_compat"]
         self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
         self._metrics: dict[str, int] = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes

@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess
 from picovllm.entrypoints.openai.metrics import ServerMetrics
-from picovllm.entrypoints.openai.routers import admin, chat, completions, tokenize
-from picovllm.entrypoints.openai.serving import APIError, ServerState, authorize
+from picovllm.entrypoints.openai.routers import admin, chat, completions, kv_transfer, tokenize
+from picovllm.entrypoints.openai.serving import APIError, ClientGone, ServerState, authorize, kv_transfer_secret
 from picovllm.entrypoints.web import StatsHistory, mount_web_ui
 
 
@@ -37,6 +37,10 @@ async def _api_error(_, exc: APIError) -> JSONResponse:
     response = _error(exc.status, exc.message, exc.type, exc.param)
     response.headers.update(exc.headers)
     return response
+
+
+async def _client_gone(_, exc: ClientGone) -> Response:
+    return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
 
 
 async def _internal_error(_, exc: Exception) -> JSONResponse:
@@ -80,9 +84,11 @@ def build_app(
     sampling_defaults: dict | None = None,
     web_ui: bool = True,
     max_num_waiting: int | None = None,
+    kv_secret: str | None = None,
 ) -> FastAPI:
     """The server's app; web_ui: the page at / (entrypoints/web), with the dashboard's /stats
-    (served either way); max_num_waiting: requests that may wait for the engine (None: no bound)."""
+    (served either way); max_num_waiting: requests that may wait for the engine (None: no bound);
+    kv_secret: a prefill or decode instance's --kv-transfer-secret (see kv_transfer_secret)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,10 +101,12 @@ def build_app(
     app = FastAPI(title="Pico-vLLM OpenAI-compatible server", lifespan=lifespan)
     metrics = ServerMetrics()
     engine.on_step = metrics.on_step
+    secret = kv_transfer_secret(kv_secret) if engine.kv_role != "both" else None
     app.state.server = ServerState(
-        engine, served_model_name, api_key, sampling_defaults or {}, metrics, max_num_waiting
+        engine, served_model_name, api_key, sampling_defaults or {}, metrics, max_num_waiting, secret
     )
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     # The key is checked by a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware
@@ -110,6 +118,7 @@ def build_app(
     app.include_router(v1)
     app.include_router(admin.router)
     app.include_router(tokenize.router)
+    app.include_router(kv_transfer.router)
     history = StatsHistory(lambda: metrics.snapshot(engine.get_metrics()))
     mount_web_ui(app, lambda: {"model": served_model_name, "role": engine.kv_role, **history.stats()}, web_ui)
     return app

@@ -9,16 +9,21 @@ request that does not stream joins them (collect).
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
-from collections.abc import AsyncIterator, Callable
+import os
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess, RequestStream
 from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from picovllm.model.loader.builtin import cache_root
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -38,6 +43,30 @@ class APIError(Exception):
 
 
 RETRY_AFTER_S = 1  # what a request refused for a full queue is told to wait
+KV_SECRET_HEADER = "X-KV-Transfer-Secret"  # the router's proof, on requests with kv_transfer_params
+
+
+def kv_transfer_secret(given: str | None = None) -> str:
+    """The secret a router and its prefill and decode instances share: `given`
+    (--kv-transfer-secret), else this user's on this machine, made once in the cache directory
+    (readable by this user only), so that the processes of one machine agree without being told."""
+    if given:
+        return given
+    path = os.path.join(cache_root(), "kv_transfer_secret")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        mine = f"{path}.{os.getpid()}"
+        fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+        try:
+            os.link(mine, path)  # (made whole, or not at all: another process may be here too)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(mine)
+    with open(path) as f:
+        return f.read().strip()
 
 
 @dataclass
@@ -48,6 +77,7 @@ class ServerState:
     sampling_defaults: dict
     metrics: ServerMetrics
     max_num_waiting: int | None = None
+    kv_transfer_secret: str | None = None  # a prefill or decode instance's: what its router sends
     validating: int = 0  # requests past the door, their prompts being validated (not streams yet)
 
     @property
@@ -61,6 +91,21 @@ class ServerState:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+
+    def check_kv_secret(self, request: Request, kv_transfer_params: dict | None = None) -> None:
+        """Transfer parameters and the /kv_transfer routes are for this instance's router only: 403
+        without its secret (a prefill or decode instance; an ordinary one refuses the parameters
+        later, by its role)."""
+        if self.kv_transfer_secret is None or (kv_transfer_params is None and request.url.path.startswith("/v1")):
+            return
+        given = request.headers.get(KV_SECRET_HEADER, "")
+        if not hmac.compare_digest(given.encode(), self.kv_transfer_secret.encode()):
+            raise APIError(
+                403,
+                f"kv_transfer_params need this instance's router ({KV_SECRET_HEADER}: the --kv-transfer-secret)",
+                "PermissionDeniedError",
+                "kv_transfer_params",
+            )
 
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -131,6 +176,38 @@ async def authorize(request: Request) -> None:
     key = request.app.state.server.api_key
     if key and request.headers.get("authorization") != f"Bearer {key}":
         raise APIError(401, "invalid or missing API key", "AuthenticationError")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready (nothing more is sent to it)."""
+
+
+T = TypeVar("T")
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first: then it is cancelled (the request streams
+    it holds are closed, which aborts their requests) and ClientGone is raised, as vLLM's
+    with_cancellation does. For answers sent whole: a streamed one notices when a send fails."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # (this handler cancelled: the server stopping)
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    return task.result()
 
 
 async def collect(streams: list[RequestStream], metrics: ServerMetrics) -> list[RequestOutput]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from picovllm.entrypoints.openai.protocol import ChatCompletionRequest
 from picovllm.entrypoints.openai.serving import (
@@ -13,6 +13,7 @@ from picovllm.entrypoints.openai.serving import (
     EventTemplates,
     ServerState,
     State,
+    cancel_on_disconnect,
     chat_logprobs,
     collect,
     new_completions,
@@ -36,8 +37,9 @@ def chat_text(tokenizer, messages, add_generation_prompt: bool) -> str:
 
 
 @router.post("/chat/completions")
-async def chat(req: ChatCompletionRequest, state: State):
+async def chat(req: ChatCompletionRequest, state: State, raw_request: Request):
     state.check_model(req.model)
+    state.check_kv_secret(raw_request, req.kv_transfer_params)
     state.need_tokenizer()
     tokenizer = state.tokenizer
     text = chat_text(tokenizer, req.messages, req.add_generation_prompt)
@@ -52,7 +54,7 @@ async def chat(req: ChatCompletionRequest, state: State):
     created = int(time.time())
     if req.stream:
         return sse(_stream(streams[0], req, params.n, params.logprobs, rid, created, state), streams)
-    (out,) = await collect(streams, state.metrics)
+    (out,) = await cancel_on_disconnect(raw_request, collect(streams, state.metrics))
     choices = [
         {
             "index": c.index,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from picovllm.entrypoints.openai.protocol import CompletionRequest
 from picovllm.entrypoints.openai.serving import (
@@ -13,6 +13,7 @@ from picovllm.entrypoints.openai.serving import (
     EventTemplates,
     ServerState,
     State,
+    cancel_on_disconnect,
     collect,
     completion_logprobs,
     new_completions,
@@ -34,8 +35,9 @@ def _prompt_list(prompt) -> list:
 
 
 @router.post("/completions")
-async def completions(req: CompletionRequest, state: State):
+async def completions(req: CompletionRequest, state: State, raw_request: Request):
     state.check_model(req.model)
+    state.check_kv_secret(raw_request, req.kv_transfer_params)
     prompts = _prompt_list(req.prompt)
     params = state.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
     if req.echo:
@@ -49,7 +51,7 @@ async def completions(req: CompletionRequest, state: State):
     if req.stream:
         return sse(_stream(streams, req, params.n, rid, created, state), streams)
     choices, prompt_tokens, completion_tokens, cached_tokens, kv_transfer_params = [], 0, 0, 0, None
-    for i, out in enumerate(await collect(streams, state.metrics)):
+    for i, out in enumerate(await cancel_on_disconnect(raw_request, collect(streams, state.metrics))):
         kv_transfer_params = out.kv_transfer_params
         prompt_tokens += len(out.prompt_token_ids)
         cached_tokens += out.num_cached_tokens
