@@ -3,30 +3,24 @@ own, KV over NIXL on loopback TCP) behind `picovllm router`, driven by the opena
 answers equal the colocated server's."""
 
 import json
-import os
 import time
 
 import httpx
 import pytest
+from conftest import engine_args, need_nixl
 
-from picovllm.distributed.kv_transfer import nixl_api
-
-try:
-    nixl_api()
-except ModuleNotFoundError as e:
-    pytest.skip(str(e), allow_module_level=True)
+need_nixl()
 openai = pytest.importorskip("openai")
-os.environ.setdefault("UCX_TLS", "tcp")  # (inherited by the engine processes)
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from conftest import engine_args  # noqa: E402
 
 from picovllm.bench.pd import scrape_metrics as _metrics  # noqa: E402
 from picovllm.entrypoints.openai.async_engine import EngineProcess  # noqa: E402
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
+from picovllm.entrypoints.openai.serving import KV_SECRET_HEADER, kv_transfer_secret  # noqa: E402
 from picovllm.entrypoints.router import build_router_app  # noqa: E402
 
 MODEL = "tiny"
+ROUTER = {KV_SECRET_HEADER: kv_transfer_secret()}  # (what this machine's router sends its instances)
 
 
 def _server(path, **kwargs):
@@ -150,13 +144,14 @@ def test_the_routers_page_and_its_dashboard_of_instances(pd):
     assert all(i["now"]["kv_usage"] >= 0 and "series" in i for i in instances)
 
 
-def test_an_unreachable_instance_is_a_502(tiny_qwen):
+def test_no_instance_up_is_a_503_that_names_them(tiny_qwen):
     app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
     url, stop = serve_in_thread(app)
     try:
         start = time.monotonic()
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
-        assert r.status_code == 502 and "prefill instance" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and "prefill" in message and "http://127.0.0.1:9" in message, message
         assert time.monotonic() - start < 5
         assert httpx.get(url + "/health").status_code == 503
         assert json.loads(httpx.get(url + "/health").text)["down"] == ["http://127.0.0.1:9"] * 2
@@ -201,11 +196,13 @@ def test_a_client_that_disconnects_aborts_on_the_decode_instance(fragile):
 
 
 def test_a_dead_prefill_instance_is_a_502_and_the_decode_instance_holds_nothing(fragile):
-    router, ((_, _, prefill_engine), (decode, *_)) = fragile
+    """Its engine killed: its 500 is a 502, or once the router's health check has seen it, a 503
+    (the pool has no instance up); both name it."""
+    router, ((prefill, _, prefill_engine), (decode, *_)) = fragile
     prefill_engine._process.kill()
     start = time.monotonic()
     r = httpx.post(router + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
-    assert r.status_code == 502 and "prefill instance" in r.json()["error"]["message"]
+    assert r.status_code in (502, 503) and prefill in r.json()["error"]["message"], r.text
     assert time.monotonic() - start < 5
     m = _idle(decode)
     assert m["picovllm:num_requests_running"] == 0 and m["picovllm:kv_transfers_started"] == 0
@@ -322,7 +319,7 @@ def test_a_stopping_prefill_instance_waits_for_its_held_kv(tiny_qwen):
     url, stop, engine = _server(tiny_qwen[0], kv_role="prefill", kv_lease_s=1.0)
     try:
         body = {"prompt": PROMPTS[1], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-        answer = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        answer = httpx.post(url + "/v1/completions", json=body, headers=ROUTER, timeout=30).json()
         assert answer["kv_transfer_params"]["remote_block_ids"]
         assert _metrics(url)["picovllm:kv_blocks_held_for_pickup"] > 0
         start = time.monotonic()

@@ -226,7 +226,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     app = build_app(
-        engine, name, args.api_key, defaults, web_ui=not args.disable_web_ui, max_num_waiting=max_num_waiting(args)
+        engine,
+        name,
+        args.api_key,
+        defaults,
+        web_ui=not args.disable_web_ui,
+        max_num_waiting=max_num_waiting(args),
+        kv_secret=args.kv_transfer_secret,
     )
     _say(
         f"serving on http://{args.host}:{args.port}{'' if args.disable_web_ui else ' (open it for the chat page)'} "
@@ -241,9 +247,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from picovllm.entrypoints.router import build_router_app
+    import asyncio
 
-    app = build_router_app(args.prefill, args.decode, web_ui=not args.disable_web_ui)
+    from picovllm.entrypoints.router import build_router_app, check_instances
+
+    problems = asyncio.run(check_instances(args.prefill, args.decode, args.kv_transfer_secret))
+    if problems:
+        _say("picovllm router: " + "\n".join(problems))
+        return 1
+    app = build_router_app(
+        args.prefill,
+        args.decode,
+        web_ui=not args.disable_web_ui,
+        kv_secret=args.kv_transfer_secret,
+        prefill_timeout_s=args.prefill_timeout_s,
+        decode_timeout_s=args.decode_timeout_s,
+        health_check_interval_s=args.health_check_interval_s,
+    )
     _say(
         f"routing on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}"
         " (SIGTERM drains)"
@@ -260,6 +280,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
         print(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}: {state}\n    {m.source}")
     print("random-weight shapes for benchmarks: " + ", ".join(f"dummy:{s}" for s in DUMMY_CONFIGS))
     return 0
+
+
+_KV_SECRET_HELP = (
+    "what a router proves itself to its prefill and decode instances with (kv_transfer_params are refused "
+    "without it); the same on all of them; default: one made once for this user on this machine"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,13 +360,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-transfer-mode",
         default="async",
         choices=["async", "sync"],
-        help="async (default): transfers overlap other work; sync: each completes before the next request",
+        help="async (default): transfers overlap other work; sync: nothing new is admitted while one is pending",
     )
     serve.add_argument(
         "--kv-lease-s",
         type=positive_float,
         default=30.0,
-        help="a prefill instance frees KV blocks that no decode instance pulled after this many seconds (30)",
+        help="a prefill instance frees KV blocks that no decode instance pulled or renewed for this many seconds (30)",
+    )
+    serve.add_argument(
+        "--kv-pull-timeout-s",
+        type=positive_float,
+        default=10.0,
+        help="a decode instance gives up on a KV pull after this many seconds and prefills the prompt itself (10)",
     )
     serve.add_argument(
         "--kv-transfer-backend",
@@ -349,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): a decode instance copies through CUDA IPC from a prefill instance on a GPU of the "
         "same machine, else over NIXL; nixl: always over NIXL",
     )
+    serve.add_argument("--kv-transfer-secret", default=None, metavar="SECRET", help=_KV_SECRET_HELP)
     serve.set_defaults(func=_cmd_serve, parser=serve)
 
     router = sub.add_parser(
@@ -364,6 +397,26 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=port, default=8000, help="port (default 8000)")
     router.add_argument(
         "--disable-web-ui", action="store_true", help="no page at / (chat and the instances' dashboard)"
+    )
+    router.add_argument("--kv-transfer-secret", default=None, metavar="SECRET", help=_KV_SECRET_HELP)
+    router.add_argument(
+        "--prefill-timeout-s",
+        type=positive_float,
+        default=60.0,
+        help="a prefill instance that has not answered within this many seconds is a 504 (60)",
+    )
+    router.add_argument(
+        "--decode-timeout-s",
+        type=positive_float,
+        default=600.0,
+        help="a decode instance that has sent no byte of its answer within this many seconds is a 504 (600; "
+        "a streamed answer's first byte comes with its first token, another's with its end)",
+    )
+    router.add_argument(
+        "--health-check-interval-s",
+        type=positive_float,
+        default=2.0,
+        help="how often each instance's health is checked: one that fails is out until it passes (2)",
     )
     router.set_defaults(func=_cmd_router, parser=router)
 
