@@ -282,6 +282,11 @@ def test_a_dead_instance_in_each_pool_costs_no_request(pd, reference):
         stop()
 
 
+def _compat(url: str) -> dict:
+    """What the instance's KV is, as its router reads it."""
+    return httpx.get(url + "/kv_transfer/info", headers=ROUTER).json()["kv_compat"]
+
+
 def _fake_instance(role: str, compat: dict, answer: dict | None = None):
     """A server that passes a router's checks as an instance of `role` whose KV is `compat`, and
     answers every completion with `answer`: (URL, stop)."""
@@ -306,7 +311,7 @@ def test_a_connection_refused_is_retried_on_another_instance_and_ejects_the_firs
     """An instance that passed its health check and is gone by the next request: the request is
     retried on the other instance; the gone one is out until a health check passes."""
     (prefill, _), (decode, _), _ = pd
-    compat = httpx.get(prefill + "/kv_transfer/info", headers=ROUTER).json()["kv_compat"]
+    compat = _compat(prefill)
     fake, stop_fake = _fake_instance("prefill", compat)
     slow = dict(FAST, health_check_interval_s=300)  # (the first check only: the router learns by the request)
     router, stop = serve_in_thread(build_router_app([fake, prefill], [decode], **slow))
@@ -324,7 +329,7 @@ def test_a_connection_refused_is_retried_on_another_instance_and_ejects_the_firs
 
 def test_an_answer_without_transfer_params_is_a_502(pd):
     (prefill, _), (decode, _), _ = pd
-    compat = httpx.get(prefill + "/kv_transfer/info", headers=ROUTER).json()["kv_compat"]
+    compat = _compat(prefill)
     fake, stop_fake = _fake_instance("prefill", compat, answer={"choices": []})
     router, stop = serve_in_thread(build_router_app([fake], [decode], **FAST))
     try:
@@ -343,7 +348,7 @@ def test_instances_of_the_wrong_role_or_other_kv_are_refused_at_start_and_kept_o
     import sys
 
     (prefill, _), (decode, _), _ = pd
-    compat = httpx.get(prefill + "/kv_transfer/info", headers=ROUTER).json()["kv_compat"]
+    compat = _compat(prefill)
     problems = asyncio.run(check_instances([decode], [prefill]))
     assert len(problems) == 2 and f"the prefill instance {decode} is not a prefill instance" in problems[0]
     other, stop_other = _fake_instance("decode", {**compat, "dtype": "float16", "model": "0123456789abcdef"})

@@ -71,10 +71,18 @@ class _Pending:
     """A decode instance's request whose prompt KV a prefill instance holds for it."""
 
     req: Request
-    deadline: float  # the lease's end, as far as this side knows (time.monotonic())
     length: float  # the lease's time left when the request arrived: what a renewal adds
-    renewed: float  # when the lease was last renewed (or the request arrived)
+    renewed: float  # when the lease was last renewed (or the request arrived), time.monotonic()
     pull: _Pull | None = None
+
+    @property
+    def deadline(self) -> float:
+        """The lease's end, as far as this side knows."""
+        return self.renewed + self.length
+
+    @property
+    def margin(self) -> float:
+        return min(LEASE_MARGIN_S, self.length / 4)
 
 
 @dataclass
@@ -168,12 +176,19 @@ class KVHandoff:
 
     def expect(self, req: Request) -> None:
         """A request arrived whose prompt KV a prefill instance holds (its lease's clock starts)."""
-        now = time.monotonic()
-        length = float(req.kv_transfer_params["remote_lease_s"])
-        self.pending[req.request_id] = _Pending(req, now + length, length, now)
+        self.pending[req.request_id] = _Pending(req, float(req.kv_transfer_params["remote_lease_s"]), time.monotonic())
 
-    def _margin(self, p: _Pending) -> float:
-        return min(LEASE_MARGIN_S, p.length / 4)
+    def _pull_deadline(self, p: _Pending, now: float) -> float | None:
+        """When a pull of p's started now must have ended; None if that leaves it too little time
+        (counted: p's request is to be prefilled here)."""
+        deadline = min(now + self.pull_timeout_s, p.deadline - p.margin)
+        if deadline - now >= p.margin:
+            return deadline
+        self.metrics["kv_pulls_skipped"] += 1
+        logger.warning(
+            "request %s: the prefill instance's lease ends too soon to pull: prefilling here", p.req.request_id
+        )
+        return None
 
     def _renew(self) -> None:
         """Renew the leases a third gone of the requests still here; a request not yet pulling
@@ -181,15 +196,11 @@ class KVHandoff:
         is prefilled here."""
         now = time.monotonic()
         for p in list(self.pending.values()):
-            if p.pull is None and p.deadline - now < 2 * self._margin(p):
-                self.metrics["kv_pulls_skipped"] += 1
-                logger.warning(
-                    "request %s: the prefill instance's lease ends too soon to pull: prefilling here", p.req.request_id
-                )
+            if p.pull is None and self._pull_deadline(p, now) is None:
                 self._prefill_here(p)
             elif now - p.renewed > p.length / 3:
                 self._notify(p, "renew")
-                p.renewed, p.deadline = now, now + p.length
+                p.renewed = now
 
     def start(self, req: Request) -> None:
         """Start pulling the blocks of req's prompt that its prefix cache lacks (up to its last
@@ -198,8 +209,6 @@ class KVHandoff:
         params = req.kv_transfer_params
         first = req.num_computed_tokens // self.bm.block_size
         last = self.bm.blocks_needed(req.num_prompt_tokens - 1)
-        now = time.monotonic()
-        deadline = min(now + self.pull_timeout_s, p.deadline - self._margin(p))
         problem = _compat_problem(params["remote_compat"], self.compat)
         if problem is not None:
             self.metrics["kv_transfers_incompatible"] += 1
@@ -208,15 +217,12 @@ class KVHandoff:
                 req.request_id,
                 problem,
             )
-        elif deadline - now < self._margin(p):
-            self.metrics["kv_pulls_skipped"] += 1
-            logger.warning(
-                "request %s: the prefill instance's lease ends too soon to pull: prefilling here", req.request_id
-            )
+            self._prefill_here(p)
+        elif (deadline := self._pull_deadline(p, time.monotonic())) is None:
+            self._prefill_here(p)
         elif first >= last:  # (its own prefix cache holds all of it)
             self._give_up(p, "release")
             self.scheduler.pulled(req)
-            return
         else:
             pull_id = f"{req.request_id}#{next(self._pull_ids)}"
             blocks = req.block_table[first:last]
@@ -227,8 +233,6 @@ class KVHandoff:
             self.metrics["kv_transfer_blocks"] += len(remote)
             self.metrics["kv_transfer_bytes"] += len(remote) * self.block_bytes
             self.transfer.pull(pull_id, params["remote_agent"], remote, blocks, self.bm.written_in_flight(blocks))
-            return
-        self._prefill_here(p)
 
     def _poll(self) -> None:
         """The pulls that ended since the last call, and those past their deadline: a request whose

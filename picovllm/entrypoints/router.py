@@ -130,25 +130,35 @@ def _mismatch(instance: _Instance, info: dict, compat: dict | None) -> str | Non
     return None
 
 
+async def _check(session: aiohttp.ClientSession, i: _Instance, secret: str, compat: dict) -> bool:
+    """Check one instance: up, or out with why (i.problem); compat["kv"] is what the instances'
+    KV is, the first one up's. Returns whether it answered."""
+    try:
+        info = await instance_info(session, i.url, secret)
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
+        i.failed(f"its health check failed: {type(e).__name__}: {e}", eject=True)
+        return False
+    problem = _mismatch(i, info, compat.get("kv"))
+    if problem is not None:
+        i.failed(problem, eject=True)
+        return True
+    compat.setdefault("kv", info.get("kv_compat"))
+    if not i.up:
+        logger.info("the %s instance %s is up", i.role, i.url)
+    i.problem, i.failures = None, 0
+    return True
+
+
 async def check_instances(prefill_urls: list[str], decode_urls: list[str], secret: str | None = None) -> list[str]:
     """The start-up check of `picovllm router`: the problems of the instances that answer (a wrong
-    role, KV unlike the others'); those that do not answer are not a problem yet (they join
-    when their health check passes)."""
-    secret = kv_transfer_secret(secret)
+    role, KV unlike the others'), in the order given; those that do not answer are not a problem
+    yet (they join when their health check passes)."""
+    secret, compat, problems = kv_transfer_secret(secret), {}, []
     instances = [_Instance(u, "prefill") for u in prefill_urls] + [_Instance(u, "decode") for u in decode_urls]
     async with aiohttp.ClientSession() as session:
-        infos = await asyncio.gather(
-            *(instance_info(session, i.url, secret) for i in instances), return_exceptions=True
-        )
-    problems, compat = [], None
-    for instance, info in zip(instances, infos):
-        if isinstance(info, BaseException):
-            continue
-        problem = _mismatch(instance, info, compat)
-        if problem is not None:
-            problems.append(f"the {instance.role} instance {instance.url} {problem}")
-        elif compat is None:
-            compat = info.get("kv_compat")
+        for i in instances:
+            if await _check(session, i, secret, compat) and not i.up:
+                problems.append(f"the {i.role} instance {i.url} {i.problem}")
     return problems
 
 
@@ -179,23 +189,8 @@ def build_router_app(
     compat: dict[str, dict] = {}  # "kv": what the instances' KV is (the first instance found up)
     background: set[asyncio.Task] = set()  # (lease releases under way)
 
-    async def check(i: _Instance) -> None:
-        try:
-            info = await instance_info(session["s"], i.url, secret)
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
-            i.failed(f"its health check failed: {type(e).__name__}: {e}", eject=True)
-            return
-        problem = _mismatch(i, info, compat.get("kv"))
-        if problem is not None:
-            i.failed(problem, eject=True)
-            return
-        compat.setdefault("kv", info.get("kv_compat"))
-        if not i.up:
-            logger.info("the %s instance %s is up", i.role, i.url)
-        i.problem, i.failures = None, 0
-
     async def check_all() -> None:
-        await asyncio.gather(*(check(i) for i in instances))
+        await asyncio.gather(*(_check(session["s"], i, secret, compat) for i in instances))
 
     async def health_checks() -> None:
         while True:
@@ -243,11 +238,10 @@ def build_router_app(
                 requests.labels("refused").inc()
                 return refusal
             prefill_s.observe(time.perf_counter() - start)
-            body = {**body, "kv_transfer_params": kv}
         timers = (start, ttft, itl, requests)
         try:
             _, response = await _hop(
-                decode, lambda i: _decode(session["s"], i, path, body, headers, timers, decode_timeout_s)
+                decode, lambda i: _decode(session["s"], i, path, body, kv, headers, timers, decode_timeout_s)
             )
         except BaseException:  # (no answer from any decode instance, or the client gone)
             if kv is not None:
@@ -423,13 +417,14 @@ class _Relay(StreamingResponse):
                 self.on_incomplete()
 
 
-async def _decode(session, instance: _Instance, path: str, body: dict, headers, timers, timeout_s: float):
-    """The request through a decode instance: (the response,), a relay of its answer as it comes
-    when it streams, else the whole answer; timers: (the request's start, the first-byte and
+async def _decode(session, instance: _Instance, path: str, body: dict, kv, headers, timers, timeout_s: float):
+    """The request through a decode instance, with the prefill instance's kv_transfer_params (a
+    _LeaseClock; None: it prefills itself): (the response,), a relay of its answer as it comes when
+    it streams, else the whole answer; timers: (the request's start, the first-byte and
     inter-chunk histograms, the outcome counter)."""
     start, ttft, itl, requests = timers
-    if isinstance(body.get("kv_transfer_params"), _LeaseClock):
-        body = {**body, "kv_transfer_params": body["kv_transfer_params"].now()}
+    if kv is not None:
+        body = {**body, "kv_transfer_params": kv.now()}
     instance.in_flight += 1
     response, relayed = None, False
     try:
