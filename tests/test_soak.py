@@ -91,7 +91,7 @@ async def _client(url: str, seed: int, deadline: float, tally: dict) -> None:
 
 
 def test_a_minute_of_mixed_load_leaves_nothing_behind(tiny_qwen):
-    args = engine_args(tiny_qwen[0], max_model_len=256, block_size=4, max_num_seqs=16, num_gpu_blocks_override=120)
+    args = engine_args(tiny_qwen[0], max_model_len=256, block_size=4, max_num_seqs=16, num_gpu_blocks_override=64)
     engine = EngineProcess(args)
     url, stop = serve_in_thread(build_app(engine, "tiny"))
     process = psutil.Process(engine._process.pid)
@@ -110,11 +110,11 @@ def test_a_minute_of_mixed_load_leaves_nothing_behind(tiny_qwen):
         deadline = time.monotonic() + 10  # (the disconnected requests' aborts reach the engine)
         while time.monotonic() < deadline:
             m = engine.get_metrics()
-            if m["num_running"] == m["num_waiting"] == 0 and m["kv_blocks_free"] + m["kv_blocks_cached"] == 120:
+            if m["num_running"] == m["num_waiting"] == 0 and m["kv_blocks_free"] + m["kv_blocks_cached"] == 64:
                 break
             time.sleep(0.1)
         assert (m["num_running"], m["num_waiting"]) == (0, 0)
-        assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"] == 120  # (no block held)
+        assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"] == 64  # (no block held)
         assert m["num_preemptions"] > 0  # (the pool was small enough to make requests take turns)
         assert httpx.get(url + "/health").status_code == 200
         grown = process.memory_info().rss / 2**20 - before_mb
