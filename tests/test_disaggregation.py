@@ -178,22 +178,22 @@ def test_a_request_queued_on_the_decode_instance_keeps_its_lease(tiny_qwen, colo
     """The decode instance renews the lease of a request waiting in its queue, so that the prefill
     instance keeps the KV past kv_lease_s (on main it freed it, let another prompt overwrite it, and
     the pull read that: wrong tokens). P's pool holds one prompt; the next prompt waits for the lease."""
-    prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=0.3, num_gpu_blocks_override=3)
+    prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=1.0, num_gpu_blocks_override=3)
     decode = _engine(tiny_qwen[0], kv_role="decode", max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]
     prefill.add_validated_request("c", None, OTHER_40, ONE_TOKEN, DO_REMOTE_DECODE)  # (waits for a's blocks)
     busy = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    for i in range(4):  # (D's one seat, taken for 4 x 1,019 steps)
+    for i in range(8):  # (D's one seat, taken for 8 x 1,019 steps)
         decode.add_validated_request(f"busy{i}", None, PROMPTS[0], busy)
     decode.add_validated_request("a", None, PROMPTS[3], params, held.kv_transfer_params)
-    end = time.monotonic() + 1.2  # (four leases)
+    end = time.monotonic() + 3.0  # (three leases)
     while time.monotonic() < end:
         decode.step()
         prefill.step()
     assert decode.get_metrics()["num_running"] == 1 and decode.get_metrics()["kv_transfers_started"] == 0
     assert prefill.get_metrics()["num_waiting"] == 1 and prefill.get_metrics()["kv_leases_expired"] == 0
-    decode.abort_request([f"busy{i}" for i in range(4)])
+    decode.abort_request([f"busy{i}" for i in range(8)])
     out = _run(decode, [])["a"]
     assert out.outputs[0].token_ids == _run(colocated, [("a", PROMPTS[3], params, None)])["a"].outputs[0].token_ids
     assert decode.get_metrics()["kv_transfers_done"] == 1
