@@ -284,12 +284,13 @@ def test_the_weights_fingerprint_is_the_same_for_every_tensor_parallel_rank_and_
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the order of a GPU's streams")
 def test_pulls_into_blocks_freed_under_a_step_in_flight_are_not_overwritten(tmp_path):
-    """With async scheduling, step k+1 is launched before step k's tokens are read, and stores KV for
-    requests that step k finishes (on a stop token); their blocks, freed, go straight to pulls. A
-    pull's copies start after the step in flight (on main the CUDA IPC copy did not wait for it, and
-    the step's store could land on the pulled KV). A full pool, neighbours ending on stop tokens, and
-    pulls admitted into their blocks as they end: every pulled request decodes what a colocated
-    engine does. P runs in a process of its own (a CUDA IPC handle opens only in another one); fp32,
+    """With async scheduling, step k+1 is launched before step k's tokens are read. A request
+    aborted while k+1 computes a chunk of its prompt frees blocks that k+1 is still writing, and
+    the next step's schedule (launched ahead, a neighbour decoding) can admit a pull into them. A
+    pull's copies start after the step in flight (on main the CUDA IPC copy did not wait for it:
+    the chunk's KV landed on the pulled KV, and the request decoded other tokens). Each of D's steps
+    first sleeps 20 ms on the GPU, so that a copy not ordered after the step lands before the step's
+    stores do. P runs in a process of its own (a CUDA IPC handle opens only in another one); fp32,
     so that equal KV means equal tokens."""
     import httpx
     from tiny_models import build_model
@@ -298,37 +299,52 @@ def test_pulls_into_blocks_freed_under_a_step_in_flight_are_not_overwritten(tmp_
     from picovllm.entrypoints.openai.server import build_app, serve_in_thread
     from picovllm.entrypoints.openai.serving import KV_SECRET_HEADER, kv_transfer_secret
 
-    path = str(tmp_path)  # (a model whose steps take long enough for a copy to overtake one)
-    build_model(path, "qwen2", hidden=512, heads=8, kv_heads=2, head_dim=64, layers=8, intermediate=2048, seed=3)
+    path = str(tmp_path)
+    build_model(
+        path, "qwen2", vocab_size=1024, hidden=256, heads=4, kv_heads=2, head_dim=64, layers=4, max_position=2048
+    )
     fp32 = dict(dtype="float32", kv_cache_memory=None)
     prefill = EngineProcess(engine_args(path, kv_role="prefill", num_gpu_blocks_override=4096, **fp32))
     url, stop = serve_in_thread(build_app(prefill, "m"))
     colocated = _engine(path, num_gpu_blocks_override=4096, **fp32)
-    decode = _engine(path, kv_role="decode", num_gpu_blocks_override=72, max_num_seqs=32, **fp32)
+    # 72 blocks: a 1,100-token prompt's first chunk (1,023 tokens) takes 64, and the pulled
+    # 200-token prompt (13 blocks) waits for them
+    decode = _engine(path, kv_role="decode", num_gpu_blocks_override=72, max_num_batched_tokens=1024, **fp32)
+    forward = decode.model_runner.step_logits
+
+    def slow_step(*args, **kwargs):
+        torch.cuda._sleep(40_000_000)  # (cycles: about 20 ms)
+        return forward(*args, **kwargs)
+
+    decode.model_runner.step_logits = slow_step
     try:
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        neighbours = [[(7 * i + j) % 300 + 1 for j in range(30)] for i in range(48)]
-        free_run = _run(colocated, [(f"n{i}", p, greedy, None) for i, p in enumerate(neighbours)])
-        stops = [free_run[f"n{i}"].outputs[0].token_ids[1 + i % 5] for i in range(len(neighbours))]
-        pulled = [[(11 * i + j) % 300 + 1 for j in range(40)] for i in range(48)]
+        busy = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        rounds = 4
+        pulled = [[(11 * i + j) % 300 + 1 for j in range(200)] for i in range(rounds)]
         want = _run(colocated, [(f"p{i}", p, greedy, None) for i, p in enumerate(pulled)])
-        held = []
-        for p in pulled:
-            body = {"prompt": p, "max_tokens": 1, "kv_transfer_params": DO_REMOTE_DECODE}
+        wrong = []
+        for i, prompt in enumerate(pulled):
+            body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": DO_REMOTE_DECODE}
             r = httpx.post(url + "/v1/completions", json=body, headers={KV_SECRET_HEADER: kv_transfer_secret()})
-            held.append(r.json()["kv_transfer_params"])
-        for i in range(len(pulled)):  # (interleaved: pulls wait behind neighbours for their blocks)
-            stop_at = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stops[i]])
-            decode.add_validated_request(f"n{i}", None, neighbours[i], stop_at)
-            decode.add_validated_request(f"p{i}", None, pulled[i], greedy, held[i])
-        got = _run(decode, [])
-        wrong = [
-            i for i in range(len(pulled)) if got[f"p{i}"].outputs[0].token_ids != want[f"p{i}"].outputs[0].token_ids
-        ]
-        assert not wrong, f"{len(wrong)} of {len(pulled)} pulled requests decoded other tokens"
+            assert decode.reset_prefix_cache()  # (the blocks the pull can take: the long prompt's)
+            decode.add_validated_request(f"n{i}", None, [400 + i] * 16, busy)  # (keeps steps launching ahead)
+            for _ in range(3):
+                decode.step()
+            decode.add_validated_request(f"long{i}", None, [(13 * i + j) % 500 + 500 for j in range(1100)], busy)
+            decode.add_validated_request(f"p{i}", None, prompt, greedy, r.json()["kv_transfer_params"])
+            while decode.get_metrics()["num_running"] < 2:  # (the long prompt's first chunk launched)
+                decode.step()
+            decode.abort_request(f"long{i}")  # (its chunk in flight: its blocks go to the pull)
+            got = {}
+            while f"p{i}" not in got:
+                got.update({o.request_id: o for o in decode.step() if o.finished})
+            wrong += [i] if got[f"p{i}"].outputs[0].token_ids != want[f"p{i}"].outputs[0].token_ids else []
+            decode.abort_request(f"n{i}")
+            _run(decode, [])
+        assert not wrong, f"pulled requests {wrong} of {rounds} decoded other tokens"
         m = decode.get_metrics()
-        assert m["kv_transfers_done"] == len(pulled) and m["kv_transfers_cuda_ipc"] == len(pulled)
-        assert decode.num_launched_ahead > 0
+        assert m["kv_transfers_done"] == rounds and m["kv_transfers_cuda_ipc"] == rounds
     finally:
         stop()
         prefill.shutdown()
