@@ -272,3 +272,13 @@ def resolve_limits(config: EngineConfig, max_model_len: int, kv_capacity: int) -
             f"({config.max_num_seqs}): every running request decodes a token per step"
         )
     return max_model_len, budget
+
+
+def check_tp_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """tp_size must divide the query heads, and it and the KV heads must divide one into the other."""
+    if num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} and the model's {num_kv_heads} KV heads must divide one into the other"
+        )

@@ -62,11 +62,11 @@ def test_seeded_generators_live_as_long_as_their_requests(llm):
     engine.add_request("s", "Hello", params)
     engine.add_request("plain", "Hello", SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
     engine.step()
-    assert sorted(engine.model_runner.generators) == ["s-0", "s-1"]
+    assert sorted(engine.executor.driver.model_runner.generators) == ["s-0", "s-1"]
     outs = {}
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
-    assert engine.model_runner.generators == {} and engine.scheduler.finished_ids == []
+    assert engine.executor.driver.model_runner.generators == {} and engine.scheduler.finished_ids == []
     engine.add_request("s", "Hello", params)
     while engine.has_unfinished_requests():
         again = [o for o in engine.step() if o.finished] or None

@@ -66,7 +66,7 @@ def test_forward_flops_counts_weights_attention_and_one_lm_head_row(tiny_qwen):
     from picovllm.bench.common import forward_flops
 
     llm = LLM(tiny_qwen[0], device="cpu", dtype="float32", kv_cache_memory=4 << 20, skip_tokenizer_init=True)
-    model = llm.llm_engine.model_runner.model
+    model = llm.llm_engine.executor.driver.model_runner.model
     c = model.config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size

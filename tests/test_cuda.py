@@ -21,8 +21,8 @@ from hf_reference import assert_greedy_match, hf_greedy
 
 from picovllm import LLM, SamplingParams
 from picovllm.engine.llm_engine import step_inputs
+from picovllm.messages import SamplerOutput
 from picovllm.model.loader.builtin import DUMMY_CONFIGS
-from picovllm.worker.sampler import SamplerOutput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -108,7 +108,7 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
     ours, seqs = [], []
     while engine.has_unfinished_requests():  # logits of the prefill and of each decode step
         batch = engine.scheduler.schedule()
-        ours.append(engine.model_runner.step_logits(step_inputs(batch)).float())
+        ours.append(engine.executor.driver.model_runner.step_logits(step_inputs(batch)).float())
         seqs += [list(r.token_ids) for r in batch.requests]
         sampled = SamplerOutput(ours[-1].argmax(dim=-1), None, None, None, None)
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -272,7 +272,7 @@ def test_fused_gemv_and_graphs_equal_reference_path_at_batch_1(peaked_1p5b, monk
     prompts = [prompts[i] for i in (1, 2, 5, 6, 8, 9)]
     kw = dict(model=path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=1)
     fast = LLM(**kw, enforce_eager=False)
-    assert fast.llm_engine.model_runner.graphs.sizes == [1]
+    assert fast.llm_engine.executor.driver.model_runner.graphs.sizes == [1]
     ours = [o.token_ids for o in _greedy_outputs(fast, prompts, 64)]
     del fast
     _free_gpu()
@@ -299,7 +299,7 @@ def test_mixed_step_graphs_equal_eager_steps(peaked_1p5b):
         max_num_batched_tokens=64,
     )
     graphed = LLM(**kw, mixed_graph_tokens=64)
-    assert graphed.llm_engine.model_runner.mixed_graphs.sizes == [16, 32, 64]
+    assert graphed.llm_engine.executor.driver.model_runner.mixed_graphs.sizes == [16, 32, 64]
     print(f"\nCUDA graph capture with mixed steps: {graphed.llm_engine.graph_capture_s:.1f} s")
     ours = [o.token_ids for o in _greedy_outputs(graphed, prompts, 64)]
     del graphed

@@ -5,8 +5,9 @@ import numpy as np
 import torch
 
 from picovllm.engine.llm_engine import step_inputs
+from picovllm.messages import StepInputs
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
-from picovllm.worker.inputs import MixedPadding, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
+from picovllm.worker.inputs import MixedPadding, Uploader, build_decode, build_eager, build_mixed_graph
 
 CPU_UPLOAD = Uploader(torch.device("cpu"))
 
@@ -109,7 +110,7 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
         async_scheduling=False,
     )  # scheduled by hand below
     engine = llm.llm_engine
-    runner = engine.model_runner
+    runner = engine.executor.driver.model_runner
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("a", list(range(10, 16)), params)
     engine.step()

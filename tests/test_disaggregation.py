@@ -310,13 +310,13 @@ def test_pulls_into_blocks_freed_under_a_step_in_flight_are_not_overwritten(tmp_
     # 72 blocks: a 1,100-token prompt's first chunk (1,023 tokens) takes 64, and the pulled
     # 200-token prompt (13 blocks) waits for them
     decode = _engine(path, kv_role="decode", num_gpu_blocks_override=72, max_num_batched_tokens=1024, **fp32)
-    forward = decode.model_runner.step_logits
+    forward = decode.executor.driver.model_runner.step_logits
 
     def slow_step(*args, **kwargs):
         torch.cuda._sleep(40_000_000)  # (cycles: about 20 ms)
         return forward(*args, **kwargs)
 
-    decode.model_runner.step_logits = slow_step
+    decode.executor.driver.model_runner.step_logits = slow_step
     try:
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         busy = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)

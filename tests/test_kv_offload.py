@@ -89,7 +89,9 @@ def test_the_model_runner_copies_keep_the_decision_order(tiny_qwen):
     demotion reuses, both arrive with the right KV (on TEST_DEVICE)."""
     import torch
 
-    runner = make_llm(tiny_qwen[0], block_size=BS, kv_offload_memory=8 * BLOCK_BYTES).llm_engine.model_runner
+    runner = make_llm(
+        tiny_qwen[0], block_size=BS, kv_offload_memory=8 * BLOCK_BYTES
+    ).llm_engine.executor.driver.model_runner
     gen = torch.Generator().manual_seed(0)
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen))
     runner.host_kv.copy_(torch.randn(runner.host_kv.shape, generator=gen))

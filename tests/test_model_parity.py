@@ -8,7 +8,7 @@ from tiny_models import build_model
 
 from picovllm import SamplingParams
 from picovllm.engine.llm_engine import step_inputs
-from picovllm.worker.sampler import SamplerOutput
+from picovllm.messages import SamplerOutput
 
 TOL = 1e-3  # fp32 near-tie tolerance on the reference's top-2 logits
 PROMPT_LENS = [1, 5, 15, 16, 17, 33, 47]
@@ -54,7 +54,7 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     batch = engine.scheduler.schedule()
     assert batch.num_new_tokens == [len(p) for p in prompts] and not batch.is_decode
-    ours = engine.model_runner.step_logits(step_inputs(batch))
+    ours = engine.executor.driver.model_runner.step_logits(step_inputs(batch))
     with torch.no_grad():
         for row, p in zip(ours, prompts):
             ref = hf(torch.tensor([p])).logits[0, -1]
@@ -63,7 +63,7 @@ def test_logits_close_prefill_and_decode(tiny_qwen):
     for _ in range(3):  # decode steps: compare logits of the next position
         batch = engine.scheduler.schedule()
         assert batch.is_decode
-        ours = engine.model_runner.step_logits(step_inputs(batch))
+        ours = engine.executor.driver.model_runner.step_logits(step_inputs(batch))
         with torch.no_grad():
             for row, req in zip(ours, batch.requests):
                 ref = hf(torch.tensor([req.token_ids])).logits[0, -1]

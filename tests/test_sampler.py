@@ -174,7 +174,7 @@ def test_sampling_tensors_follow_the_batch(tiny_qwen):
     from picovllm import LLMEngine
 
     engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
-    runner = engine.model_runner
+    runner = engine.executor.driver.model_runner
     engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True))
     engine.step()
     first = runner._sampling_cache[1]

@@ -168,7 +168,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_qwen)
     end, a stream with an error event and a plain request with a 500; their blocks are free; the
     next requests are served."""
     llm = make_llm(tiny_qwen[0], max_model_len=512)
-    executor, real_run, armed = llm.llm_engine.executor, llm.llm_engine.executor.run, []
+    executor, real_run, armed = llm.llm_engine.executor, llm.llm_engine.executor.execute_step, []
 
     def run(*args, **kwargs):
         if armed:
@@ -176,7 +176,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_qwen)
             raise RuntimeError("injected")
         return real_run(*args, **kwargs)
 
-    executor.run = run
+    executor.execute_step = run
     engine = AsyncEngine(llm.llm_engine)
     url, stop = serve_in_thread(build_app(engine, "tiny"))
     long = {**COMPLETION, "max_tokens": 400, "ignore_eos": True}

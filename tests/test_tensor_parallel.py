@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import build_model
 
-from picovllm.model.layers.linear import check_tp_heads
+from picovllm.config import check_tp_heads
 
 PROMPTS = [[5, 17, 200, 33, 4, 90, 61], [300, 2, 8], list(range(40, 60))]
 BLOCK_SIZE = 4
@@ -27,8 +27,9 @@ def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
     one decode step of each prompt's greedy token. Rank 0 saves the logits of every position."""
     from picovllm.distributed.parallel_state import destroy_distributed, get_tp_size, init_distributed
     from picovllm.engine.block_manager import BlockManager
+    from picovllm.messages import StepInputs
     from picovllm.model.loader.model_loader import load_model, resolve_model
-    from picovllm.worker.inputs import StepInputs, Uploader, build_eager
+    from picovllm.worker.inputs import Uploader, build_eager
     from picovllm.worker.model_runner import allocate_kv_pool
 
     torch.set_num_threads(1)

@@ -2,8 +2,8 @@
 
 batch = scheduler.schedule()                        # who runs, and how many tokens each
 step, sampling = step_inputs(batch), sampling_batch(reqs)  # the batch as plain data
-sampled = executor.run(step, sampling)              # every rank's forward; rank 0 samples
-outputs = self._process(reqs, tokens, sampled)      # append tokens, detokenize, finish, free
+out = executor.execute_step(ExecuteStep(step), sampling)  # every rank's forward; rank 0 samples
+outputs = self._process(reqs, tokens, out.sampled)  # append tokens, detokenize, finish, free
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from picovllm import envs
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve_limits, resolve_max_model_len
@@ -28,11 +27,10 @@ from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
 from picovllm.executor.executor import Executor, WorkerError
 from picovllm.kernels import triton_utils
+from picovllm.messages import ExecuteStep, ModelRunnerOutput, SamplerOutput, SamplingBatch, StepInputs
 from picovllm.model.loader.model_loader import resolve_model
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
-from picovllm.worker.inputs import StepInputs
-from picovllm.worker.sampler import SamplerOutput, SamplingBatch, to_device
 
 logger = logging.getLogger("picovllm")
 
@@ -40,26 +38,13 @@ _MAX_SEED = 2**63 - 1
 
 
 class _Step(NamedTuple):
-    """A launched forward: its batch, the requests that sample, their sampled tokens on the
-    device (the next step's inputs when launched ahead), the samples on their way to the host
-    (pinned memory, ready once `copied` has passed), and its number (BlockManager.step_launched)."""
+    """A launched forward: its batch, the requests that sample, their samples on the way to the
+    host (None: no row samples), and its number (BlockManager.step_launched)."""
 
     batch: ScheduledBatch
     reqs: list[Request]
-    tokens: torch.Tensor | None
-    sampled: SamplerOutput | None
-    copied: torch.cuda.Event | None
+    out: ModelRunnerOutput | None
     number: int
-
-
-def _to_host(out: SamplerOutput) -> SamplerOutput:
-    """Start copying the samples to pinned host memory (non_blocking): reading them then waits
-    for this step alone, not for a step launched after it (as .tolist() on the device would)."""
-
-    def copy(t):
-        return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-    return SamplerOutput(*(copy(getattr(out, f.name)) for f in fields(out)))
 
 
 OFFLOAD_METRICS = {  # LLMEngine.get_metrics' keys with a host tier (kv_offload_memory), and what they count
@@ -139,18 +124,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.tokenizer_source) if self.tokenizer_source else None
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
-        torch.manual_seed(config.seed)
 
         max_model_len = resolve_max_model_len(config, self.model_config)
-        self.executor = Executor(
-            config, self.model_config, path, self.dtype, self.device, max_model_len, self.eos_token_ids
-        )
-        self.model_runner = self.executor.driver  # rank 0's
-        num_blocks = self.executor.num_kv_blocks(config)
+        self.executor = Executor.get_class(config)(config, self.model_config, max_model_len, self.eos_token_ids)
+        num_blocks = self.executor.num_kv_blocks()
         self.max_model_len, self.max_num_batched_tokens = resolve_limits(
             config, max_model_len, num_blocks * config.block_size
         )
-        self.kv_block_bytes = self.model_runner.kv_block_bytes()  # (rank 0's: K and V of every layer)
+        self.kv_block_bytes = self.executor.kv_block_bytes()  # (rank 0's: K and V of every layer)
         num_host_blocks = config.kv_offload_memory // self.kv_block_bytes
         if config.kv_offload_memory and not num_host_blocks:
             raise ValueError(f"kv_offload_memory {config.kv_offload_memory} holds no KV block")
@@ -168,7 +149,7 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         mc = self.model_config
         self.kv_compat = kv_compat(  # (what this instance's KV is: disaggregated serving's peers must agree)
-            self.model_runner.model.weights_fingerprint,
+            self.executor.weights_fingerprint,
             self.dtype,
             mc.num_hidden_layers,
             mc.num_key_value_heads,
@@ -325,7 +306,7 @@ class LLMEngine:
             for child in group.children:
                 self.scheduler.finish(child, "abort")
             self.failed.append((req.parent_id, message))
-        self.model_runner.free_requests(self.scheduler.take_finished_ids())
+        self.executor.free_requests(self.scheduler.take_finished_ids())
         self.scheduler.cache.reset()
 
     def take_failed(self) -> list[tuple[str, str]]:
@@ -345,16 +326,17 @@ class LLMEngine:
             step = self._launch(batch)
         self._inflight = self._launch_ahead(step) if self.async_scheduling else None
         launched = time.perf_counter()
-        if step.copied is not None:
-            step.copied.synchronize()  # the step's one device-to-host transfer
-        if step.copied is not None or self.device.type != "cuda":  # (its work, and all before it, has ended)
+        if step.out is not None:
+            step.out.wait()  # the step's one device-to-host transfer
+        if step.out is not None or self.device.type != "cuda":  # (its work, and all before it, has ended)
             self.block_manager.steps_done = step.number
-        tokens = step.sampled.sampled.tolist() if step.reqs else []
+        sampled = step.out.sampled if step.out is not None else None
+        tokens = sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
-        outputs = self._process(step.reqs, tokens, step.sampled)
+        outputs = self._process(step.reqs, tokens, sampled)
         if not self.groups:
             self._inflight = None  # nothing left to read from a step launched ahead
-            self.model_runner.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)
+            self.executor.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)
             self._last_sampling = None
         if self.debug_invariants:
             self.check_invariants()
@@ -379,22 +361,18 @@ class LLMEngine:
         """Transfers to watch while no request runs (a prefill instance's leases): poll with step()."""
         return self.kv_handoff is not None and self.kv_handoff.busy
 
-    def _launch(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> _Step:
-        num_pending = 0 if pending is None else len(pending)
+    def _launch(self, batch: ScheduledBatch, num_pending: int = 0, pending_rows: list[int] | None = None) -> _Step:
+        """Launch the batch's forward; its first num_pending rows decode the tokens the step
+        before sampled (rows pending_rows of them; None: all), still on the device."""
         step = step_inputs(batch, num_pending, self.block_manager.take_copies())
         # the requests whose last token this step computes (step.sample): each samples one token
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         sampling = self._sampling_batch(reqs) if reqs else None
-        sampled = self.executor.run(step, sampling, pending)
+        out = self.executor.execute_step(ExecuteStep(step, num_pending, pending_rows), sampling)
         number = self.block_manager.step_launched()
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        tokens, copied = (sampled.sampled if sampled is not None else None), None
-        if sampled is not None and self.device.type == "cuda":
-            sampled = _to_host(sampled)
-            copied = torch.cuda.Event()
-            copied.record()
-        return _Step(batch, reqs, tokens, sampled, copied, number)
+        return _Step(batch, reqs, out, number)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
@@ -430,10 +408,7 @@ class LLMEngine:
         if batch is None:
             return None
         self.num_launched_ahead += 1
-        pending = step.tokens
-        if len(rows) < len(reqs):
-            pending = pending[to_device(rows, torch.long, pending.device)]
-        return self._launch(batch, pending=pending)
+        return self._launch(batch, len(rows), rows if len(rows) < len(reqs) else None)
 
     @staticmethod
     def _at_length_limit(req: Request, pending: int = 0) -> bool:
@@ -568,7 +543,7 @@ class LLMEngine:
         if self.block_manager.host is not None and tree is not None and not self.block_manager.copies:
             # a node in both tiers holds the same KV in both (rank 0's pools; no copy pending)
             both = [(n.blocks, n.host) for n in tree.nodes() if n.blocks is not None and n.host is not None]
-            self.model_runner.check_host_copies([p for gpu, host in both for p in zip(gpu, host)])
+            self.executor.check_host_copies([p for gpu, host in both for p in zip(gpu, host)])
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block no running request uses; True if the cache is now empty."""

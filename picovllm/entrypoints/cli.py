@@ -437,10 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         if launched is not None and args.command == "bench" and args.bench == "prefix":
             raise ValueError("bench prefix builds two engines in turn, a torchrun launch one: use -tp without torchrun")
         if launched is not None and launched[0] > 0 and args.command in ("generate", "chat", "serve", "bench"):
-            from picovllm.worker.worker import torchrun_worker  # this process is a tensor-parallel rank
+            from picovllm.executor.torchrun import run_torchrun_rank  # this process is a tensor-parallel rank
 
             args.model = getattr(args, "model_tag", None) or args.model
-            return torchrun_worker(engine_kwargs(args))
+            return run_torchrun_rank(engine_kwargs(args))
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"picovllm {args.command}: error: {e}", file=sys.stderr)

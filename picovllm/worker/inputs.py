@@ -14,45 +14,18 @@ never over tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from picovllm.kernels.prefill_attention import BLOCK_M, prefill_work, work_block_m
+from picovllm.messages import StepInputs
 from picovllm.model.layers.attention import AttentionMetadata
 
 PACK_ALIGN = 16  # elements: a step's arrays are packed for upload with each starting 128-byte aligned,
 # so that Triton compiles one variant of each kernel (it specialises on pointer alignment)
-
-
-@dataclass
-class StepInputs:
-    """What one forward computes, for B sequences: the new tokens of each (the last query_lens[b]
-    of its context_lens[b] tokens), its block table, and whether its last new token is sampled."""
-
-    token_ids: list[list[int]]
-    context_lens: np.ndarray  # int64 [B], this step's tokens included
-    query_lens: np.ndarray  # int64 [B]
-    block_tables: list[list[int]]
-    sample: np.ndarray  # bool [B]
-    # copies between the GPU and host KV pools to run before the forward, in order: (to the
-    # host?, source block ids, destination block ids) (engine/block_manager.py)
-    kv_copies: list[tuple[bool, list[int], list[int]]] = field(default_factory=list)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_lens.sum())
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token per sequence, each sampled."""
-        return self.num_tokens == self.num_seqs and bool(self.sample.all())
 
 
 @dataclass

@@ -17,10 +17,11 @@ from picovllm.distributed.communicator import tp_broadcast
 from picovllm.distributed.kv_transfer import KVTransfer, NixlKVTransfer, block_runs
 from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.kernels.prefill_attention import num_work_items
+from picovllm.messages import SamplerOutput, SamplingBatch, StepInputs
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
-from picovllm.worker.inputs import ModelInputs, StepInputs, Uploader, build_decode, build_eager, build_mixed_graph
-from picovllm.worker.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingTensors
+from picovllm.worker.inputs import ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
+from picovllm.worker.sampler import Sampler, SamplingTensors
 
 logger = logging.getLogger("picovllm")
 
@@ -286,11 +287,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, step: StepInputs, sampling: SamplingBatch | None, pending: torch.Tensor | None = None
+        self,
+        step: StepInputs,
+        sampling: SamplingBatch | None,
+        pending: torch.Tensor | None = None,
+        num_pending: int = 0,
     ) -> SamplerOutput | None:
-        """One forward and, when rows sample (sampling: one row per step.sample), their samples.
-        pending: see prepare()."""
-        num_pending = 0 if pending is None else len(pending)
+        """One forward and, when rows sample (sampling: one row per step.sample, on rank 0), their
+        samples. pending, num_pending: see prepare()."""
         logits = self.step_logits(step, pending, num_pending)
         # The sampling parameters are built while the forward runs (a new request's: about 0.2 ms
         # of host time that a lone request's first token would otherwise wait for); they reach

@@ -10,31 +10,13 @@ Log-probabilities are those of the raw model output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from picovllm.sampling_params import SamplingParams
+from picovllm.messages import SamplerOutput, SamplingBatch
 
 _NEG_INF = float("-inf")
-
-
-@dataclass
-class SamplingBatch:
-    """The rows of a step that sample, as plain data (one per request, in the order of the
-    step's sampled positions), built by the engine: what the sampler needs of each request."""
-
-    request_ids: list[str]
-    params: list[SamplingParams]
-    seeds: list[int | None]  # the seed of each request's own generator (None: the global one)
-    num_output_tokens: list[int]  # (min_tokens bans EOS and stop tokens until reached)
-    prompt_ids: list[list[int]] | None = None  # when any row has penalties
-    output_ids: list[list[int]] | None = None
-    finished_ids: list[str] = field(default_factory=list)  # gone since the last step: generators dropped
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.request_ids)
 
 
 @dataclass
@@ -159,15 +141,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop[:, -1] = False
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-@dataclass
-class SamplerOutput:
-    sampled: torch.Tensor  # [B] token ids
-    sampled_logprobs: torch.Tensor | None  # [B] raw log-probability of the sampled token
-    sampled_ranks: torch.Tensor | None  # [B] its rank (1 = most likely)
-    top_logprobs: torch.Tensor | None  # [B, max_logprobs]
-    top_ids: torch.Tensor | None  # [B, max_logprobs]
 
 
 class Sampler:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picovllm.config import check_tp_heads
 from picovllm.distributed.communicator import tp_all_reduce
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from picovllm.kernels.gemv import gemv_triton
@@ -115,16 +116,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: SiLU of the first output half times the second (gate and up projections)."""
         return linear(x, self.weight, self.bias, norm=norm, silu_mul=silu_mul)
-
-
-def check_tp_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
-    """tp_size must divide the query heads, and it and the KV heads must divide one into the other."""
-    if num_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {num_heads} attention heads")
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size {tp_size} and the model's {num_kv_heads} KV heads must divide one into the other"
-        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):

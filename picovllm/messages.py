@@ -1,0 +1,193 @@
+"""What crosses between the engine and the tensor-parallel ranks (executor/, worker/): the step as
+plain data, the commands every rank runs, and what the ranks answer. Each message is a type,
+dispatched by type (Worker.handle); its fields are its documentation.
+
+    engine -> every rank      ExecuteStep (StepInputs), AllocateKVCache, CaptureGraphs,
+                              DescribeKV, PullKV, PollKV, Shutdown
+    rank 0 -> engine          ModelRunnerOutput (its SamplerOutput, on the way to the host)
+    rank r > 0 -> rank 0      WorkerJoining, WorkerReady, WorkerFailed; the answer of a command
+                              that answers (DescribeKV, PollKV)
+
+Rank 0 samples: a SamplingBatch goes to it alone, beside the ExecuteStep every rank runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+
+from picovllm.sampling_params import SamplingParams
+
+# ---- the step -------------------------------------------------------------------------------
+
+
+@dataclass
+class StepInputs:
+    """What one forward computes, for B sequences: the new tokens of each (the last query_lens[b]
+    of its context_lens[b] tokens), its block table, and whether its last new token is sampled."""
+
+    token_ids: list[list[int]]
+    context_lens: np.ndarray  # int64 [B], this step's tokens included
+    query_lens: np.ndarray  # int64 [B]
+    block_tables: list[list[int]]
+    sample: np.ndarray  # bool [B]
+    # copies between the GPU and host KV pools to run before the forward, in order: (to the
+    # host?, source block ids, destination block ids) (engine/block_manager.py)
+    kv_copies: list[tuple[bool, list[int], list[int]]] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_lens.sum())
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each sampled."""
+        return self.num_tokens == self.num_seqs and bool(self.sample.all())
+
+
+@dataclass
+class SamplingBatch:
+    """The rows of a step that sample, as plain data (one per request, in the order of the
+    step's sampled positions), built by the engine: what the sampler needs of each request."""
+
+    request_ids: list[str]
+    params: list[SamplingParams]
+    seeds: list[int | None]  # the seed of each request's own generator (None: the global one)
+    num_output_tokens: list[int]  # (min_tokens bans EOS and stop tokens until reached)
+    prompt_ids: list[list[int]] | None = None  # when any row has penalties
+    output_ids: list[list[int]] | None = None
+    finished_ids: list[str] = field(default_factory=list)  # gone since the last step: generators dropped
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] token ids
+    sampled_logprobs: torch.Tensor | None  # [B] raw log-probability of the sampled token
+    sampled_ranks: torch.Tensor | None  # [B] its rank (1 = most likely)
+    top_logprobs: torch.Tensor | None  # [B, max_logprobs]
+    top_ids: torch.Tensor | None  # [B, max_logprobs]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """A launched step's samples on their way to the host: on a GPU, copied to pinned memory
+    (non_blocking) and ready once `copied` has passed, so that reading them waits for this step
+    alone, not for a step launched after it."""
+
+    sampled: SamplerOutput
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def to_host(cls, out: SamplerOutput) -> ModelRunnerOutput:
+        if out.sampled.device.type != "cuda":
+            return cls(out, None)
+
+        def copy(t):
+            if t is None:
+                return None
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        host = SamplerOutput(*(copy(getattr(out, f.name)) for f in fields(out)))
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(host, copied)
+
+    def wait(self) -> None:
+        """Until the samples are on the host: the step's work, and all before it, has ended."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
+# ---- commands every rank runs ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExecuteStep:
+    """One forward. The first num_pending rows decode tokens that the step before sampled and
+    the host has not read (a step launched ahead): rank 0 takes them from its last samples (the
+    rows pending_rows of them; None: all), and the other ranks receive them from rank 0."""
+
+    step: StepInputs
+    num_pending: int = 0
+    pending_rows: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class AllocateKVCache:
+    num_blocks: int
+    num_host_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class CaptureGraphs:
+    """Every rank captures the same graphs, in the same order (their all-reduces meet)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    mixed_graph_tokens: int
+
+
+@dataclass(frozen=True)
+class DescribeKV:
+    """Answered: the rank's KV pool as a prefill or decode instance's peers see it (KVTransfer.rank_info)."""
+
+    answers = True
+
+
+@dataclass(frozen=True)
+class PullKV:
+    """Start pulling a prompt's KV (each rank its own heads): see KVTransfer.pull."""
+
+    pull_id: str
+    remote: dict
+    remote_blocks: list[int]
+    local_blocks: list[int]
+    after: bool = False
+
+
+@dataclass(frozen=True)
+class PollKV:
+    """Answered: the rank's pulls that ended since the last poll, (done ids, {failed id: why})."""
+
+    answers = True
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+WorkerCommand = ExecuteStep | AllocateKVCache | CaptureGraphs | DescribeKV | PullKV | PollKV | Shutdown
+
+
+def answers(cmd: WorkerCommand) -> bool:
+    """Whether the ranks answer this command (the others run without a round trip)."""
+    return getattr(cmd, "answers", False)
+
+
+# ---- what a rank says about itself -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerJoining:
+    """About to join the process group (rank 0 joins once every rank is this far)."""
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    num_kv_blocks: int  # what this rank's device holds
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    message: str  # the exception, before the rank exits
