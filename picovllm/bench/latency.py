@@ -52,9 +52,9 @@ class PicoRunner:
 
         self.llm = LLM(**llm_kwargs, max_num_seqs=max_batch, skip_tokenizer_init=True)
         engine = self.llm.llm_engine
-        self.device, self.model = engine.device, engine.model_runner.model
+        self.device, self.model = engine.device, engine.executor.driver.model_runner.model
         self.vocab_size = engine.model_config.vocab_size
-        self.kv_token_bytes = engine.model_runner.kv_block_bytes() // engine.config.block_size
+        self.kv_token_bytes = engine.kv_block_bytes // engine.config.block_size
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         engine = self.llm.llm_engine

@@ -93,7 +93,7 @@ def _block_bytes(kwargs: dict) -> tuple[int, int]:
     """(bytes of a KV block, the vocabulary) of the model, from a throwaway engine with a tiny pool."""
     llm = _engine(kwargs, kv_cache_memory=64 << 20, enforce_eager=True)
     engine = llm.llm_engine
-    sizes = engine.model_runner.kv_block_bytes(), min(engine.model_config.vocab_size, 30000)
+    sizes = engine.kv_block_bytes, min(engine.model_config.vocab_size, 30000)
     _release(llm)
     return sizes
 
@@ -126,7 +126,7 @@ def run_multi_turn(
         _drive(engine, [[rng.randrange(100, vocab) for _ in range(turn_len)]], params, ["warm-up"])
         engine.reset_prefix_cache()
         before, ttfts = engine.get_metrics(), []
-        timer = CopyTimer(engine.model_runner)
+        timer = CopyTimer(engine.executor.driver.model_runner)
         sync(engine.device)
         start = time.perf_counter()
         for turn in range(turns):
@@ -193,7 +193,7 @@ def run_multi_turn(
 def _promotion_bandwidth(engine, num_blocks: int) -> dict[str, float]:
     """The model runner promoting num_blocks host blocks into GPU blocks (as a hit does), timed,
     against a pinned host-to-device copy of as many bytes."""
-    runner, device = engine.model_runner, engine.device
+    runner, device = engine.executor.driver.model_runner, engine.device
     num_blocks = min(num_blocks, runner.host_kv.shape[0], runner.kv_cache.shape[2])
     nbytes = num_blocks * runner.kv_block_bytes()
     copy = [(False, list(range(num_blocks)), list(range(num_blocks)))]  # (the run is over: what they held is moot)

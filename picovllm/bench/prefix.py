@@ -70,8 +70,8 @@ class Floors:
 
     def __init__(self, llm):
         engine = llm.llm_engine
-        self.model = engine.model_runner.model
-        self.kv_token_bytes = engine.model_runner.kv_block_bytes() // engine.config.block_size
+        self.model = engine.executor.driver.model_runner.model
+        self.kv_token_bytes = engine.kv_block_bytes // engine.config.block_size
         self.flop_s = matmul_flops(engine.device, engine.dtype)
         self.byte_s = copy_bandwidth(engine.device)
 
