@@ -1,7 +1,11 @@
-"""What crosses between the engine and the tensor-parallel ranks (executor/, worker/): the step as
-plain data, the commands every rank runs, and what the ranks answer. Each message is a type,
-dispatched by type (Worker.handle); its fields are its documentation.
+"""Everything that crosses a process boundary, as types: between the server and the engine's
+process (entrypoints/openai/async_engine.py), and between the engine and the tensor-parallel
+ranks (executor/, worker/). Each message is dispatched by its type; its fields are its
+documentation.
 
+    server -> engine          AddRequest, AbortRequest, StopEngine
+    engine -> server          EngineReady; EngineCoreOutputs (a step's outputs, the engine's
+                              metrics); RequestsFailed (a step that raised); EngineDead
     engine -> every rank      ExecuteStep (StepInputs), AllocateKVCache, CaptureGraphs,
                               DescribeKV, PullKV, PollKV, Shutdown
     rank 0 -> engine          ModelRunnerOutput (its SamplerOutput, on the way to the host)
@@ -14,11 +18,116 @@ Rank 0 samples: a SamplingBatch goes to it alone, beside the ExecuteStep every r
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
+
+# ---- the server and the engine's process -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A prompt that went through process_prompt (and its kv_transfer_params through their checks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StopEngine:
+    pass
+
+
+EngineCommand = AddRequest | AbortRequest | StopEngine
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """What the server needs of the engine it started (its tokenizer: a directory to load it from)."""
+
+    vocab_size: int
+    max_model_len: int
+    tokenizer: str | None
+    kv_role: str
+    block_size: int
+    kv_lease_s: float
+    kv_compat: dict
+
+
+class CompletionDelta(NamedTuple):
+    """What a step added to one completion (CompletionOutput, without its index)."""
+
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class EngineCoreOutput(NamedTuple):
+    """A request's DELTA output, without its prompt (the server has it)."""
+
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool
+    num_cached_tokens: int
+    kv_transfer_params: dict | None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EngineCoreOutput:
+        completions = [
+            CompletionDelta(c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+            for c in out.outputs
+        ]
+        return cls(out.request_id, completions, out.finished, out.num_cached_tokens, out.kv_transfer_params)
+
+    def request_output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+        outputs = [CompletionOutput(index, *c) for index, c in enumerate(self.completions)]
+        return RequestOutput(
+            self.request_id,
+            prompt,
+            prompt_token_ids,
+            outputs,
+            self.finished,
+            self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
+        )
+
+
+@dataclass(frozen=True)
+class EngineCoreOutputs:
+    """One step's outputs (or none: the metrics changed), and the engine's metrics after it."""
+
+    outputs: list[EngineCoreOutput]
+    metrics: dict[str, int]
+
+
+@dataclass(frozen=True)
+class RequestsFailed:
+    """(request id, why) of the requests a step that raised failed; the engine goes on."""
+
+    failed: list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class EngineDead:
+    """The engine could not start, or stopped: why."""
+
+    error: BaseException
+
 
 # ---- the step -------------------------------------------------------------------------------
 

@@ -26,12 +26,19 @@ from dataclasses import replace
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
 from picovllm.engine.kv_handoff import check_kv_transfer_params
 from picovllm.engine.llm_engine import LLMEngine
-from picovllm.outputs import CompletionOutput, RequestOutput
+from picovllm.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCommand,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineReady,
+    RequestsFailed,
+    StopEngine,
+)
+from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
-
-# Commands to the engine: ("add", request_id, text, token_ids, params, kv_transfer_params),
-# ("abort", request_id), STOP.
-STOP = ("stop",)
 
 
 class RequestStream:
@@ -112,7 +119,7 @@ KV_POLL_FIRST_S = 0.0002  # the first such waits (a pull may land any moment): 5
 
 def engine_loop(
     engine: LLMEngine,
-    next_command: Callable[[float | None], tuple | None],
+    next_command: Callable[[float | None], EngineCommand | None],
     publish: Callable[[list[RequestOutput]], None],
     fail: Callable[[list[tuple[str, str]]], None],
 ) -> None:
@@ -123,7 +130,7 @@ def engine_loop(
     (a decode instance's pulls, a prefill instance's leases), KV_POLL_FIRST_S for the first 10 ms,
     then doubling up to KV_POLL_S, and a step then polls them. While nothing steps it publishes an empty list only
     when the engine's metrics have changed (the metrics after aborts, a lease that ended).
-    Returns at STOP. Requests come in as DELTA outputs."""
+    Returns at StopEngine. Requests come in as DELTA outputs."""
     polls = 0  # waits in a row with nothing stepped
     published = None  # the metrics last published while nothing stepped
     while True:
@@ -134,14 +141,14 @@ def engine_loop(
         else:
             wait = None
         while (cmd := next_command(wait)) is not None:
-            if cmd == STOP:
-                return
-            if cmd[0] == "add":
-                _, rid, text, ids, params, kv = cmd
-                params = replace(params, output_kind=RequestOutputKind.DELTA)
-                engine.add_validated_request(rid, text, ids, params, kv)
-            else:
-                engine.abort_request(cmd[1])
+            match cmd:
+                case StopEngine():
+                    return
+                case AddRequest(rid, text, ids, params, kv):
+                    params = replace(params, output_kind=RequestOutputKind.DELTA)
+                    engine.add_validated_request(rid, text, ids, params, kv)
+                case AbortRequest(rid):
+                    engine.abort_request(rid)
             wait, polls = 0, 0
         if engine.has_unfinished_requests() or engine.kv_busy:
             steps = engine.num_steps
@@ -161,8 +168,8 @@ def engine_loop(
 
 class _Background:
     """What both kinds share: the streams, and delivering a step's outputs to them. A subclass
-    sets tokenizer, vocab_size and max_model_len, and sends commands (_send: ("add", request_id,
-    text, ids, params) or ("abort", request_id)) to its engine."""
+    sets tokenizer, vocab_size and max_model_len, and sends commands (_send: AddRequest,
+    AbortRequest, StopEngine) to its engine."""
 
     tokenizer = None
     vocab_size: int
@@ -177,7 +184,7 @@ class _Background:
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: EngineCommand) -> None:
         raise NotImplementedError
 
     @property
@@ -213,11 +220,11 @@ class _Background:
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         stream = self._streams[request_id] = RequestStream(self, request_id)
-        self._send(("add", request_id, text, ids, params, kv_transfer_params))
+        self._send(AddRequest(request_id, text, ids, params, kv_transfer_params))
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up of each loop per step
@@ -261,14 +268,14 @@ class AsyncEngine(_Background):
     def get_metrics(self) -> dict[str, int]:
         return self.engine.get_metrics()
 
-    def _send(self, cmd: tuple) -> None:
+    def _send(self, cmd: EngineCommand) -> None:
         self._commands.put(cmd)
 
     def shutdown(self) -> None:
-        self._commands.put(STOP)
+        self._commands.put(StopEngine())
         self._thread.join(timeout=10)
 
-    def _next_command(self, timeout: float | None) -> tuple | None:
+    def _next_command(self, timeout: float | None) -> EngineCommand | None:
         try:
             return self._commands.get(block=timeout != 0, timeout=timeout or None)
         except queue.Empty:
@@ -285,50 +292,40 @@ class AsyncEngine(_Background):
 # ---- the engine in a process of its own -------------------------------------------------------
 
 
-def _message(out: RequestOutput) -> tuple:
-    """A DELTA output as plain tuples for the pipe (the prompt stays behind: the HTTP process has it)."""
-    comps = [
-        (c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason) for c in out.outputs
-    ]  # (CompletionOutput's fields after index, in order)
-    return out.request_id, comps, out.finished, out.num_cached_tokens, out.kv_transfer_params
-
-
 def _engine_main(engine_args: dict, commands, outputs) -> None:
     """The engine process: build the engine, report its limits, then run engine_loop on the
     pipes, sending each step's outputs and the engine's metrics. Ctrl-C is the server's to
-    handle: it shuts this process down with STOP, or by closing the pipe."""
+    handle: it shuts this process down with StopEngine, or by closing the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = LLMEngine.from_engine_args(**engine_args)
     except BaseException as e:  # bad options: the server reports them and does not start
-        outputs.send(("error", e))
+        outputs.send(EngineDead(e))
         return
+    config = engine.config
     outputs.send(
-        (
-            "ready",
-            {
-                "vocab_size": engine.model_config.vocab_size,
-                "max_model_len": engine.max_model_len,
-                "tokenizer": engine.tokenizer_source,
-                "kv_role": engine.config.kv_role,
-                "block_size": engine.config.block_size,
-                "kv_lease_s": engine.config.kv_lease_s,
-                "kv_compat": engine.kv_compat,
-            },
+        EngineReady(
+            engine.model_config.vocab_size,
+            engine.max_model_len,
+            engine.tokenizer_source,
+            config.kv_role,
+            config.block_size,
+            config.kv_lease_s,
+            engine.kv_compat,
         )
     )
 
-    def next_command(timeout: float | None) -> tuple | None:
+    def next_command(timeout: float | None) -> EngineCommand | None:
         if timeout is not None and 0 < timeout < 0.001:  # (a pipe's poll waits whole milliseconds)
             time.sleep(timeout)
             timeout = 0
         return commands.recv() if commands.poll(timeout) else None
 
     def publish(outs: list[RequestOutput]) -> None:
-        outputs.send(("step", [_message(o) for o in outs], engine.get_metrics()))
+        outputs.send(EngineCoreOutputs([EngineCoreOutput.of(o) for o in outs], engine.get_metrics()))
 
     def fail(failed: list[tuple[str, str]]) -> None:
-        outputs.send(("failed", failed))
+        outputs.send(RequestsFailed(failed))
 
     try:
         with frozen_heap():
@@ -336,7 +333,7 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     except EOFError:  # the server went away
         return
     except BaseException as e:
-        outputs.send(("error", e))
+        outputs.send(EngineDead(e))
         raise
     finally:
         engine.shutdown()  # (its tensor-parallel workers)
@@ -357,17 +354,17 @@ class EngineProcess(_Background):
         commands.close()
         outputs.close()
         try:
-            kind, info = self._outputs.recv()
+            ready = self._outputs.recv()
         except EOFError:  # it died before it could say why (its traceback, if any, is on stderr)
             self._process.join()
             raise RuntimeError(f"the engine process exited while starting (code {self._process.exitcode})") from None
-        if kind == "error":
+        if isinstance(ready, EngineDead):
             self._process.join()
-            raise info
-        self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
-        self.kv_role, self.block_size, self.kv_lease_s = info["kv_role"], info["block_size"], info["kv_lease_s"]
-        self.kv_compat = info["kv_compat"]
-        self.tokenizer = load_tokenizer(info["tokenizer"]) if info["tokenizer"] else None
+            raise ready.error
+        self.vocab_size, self.max_model_len = ready.vocab_size, ready.max_model_len
+        self.kv_role, self.block_size, self.kv_lease_s = ready.kv_role, ready.block_size, ready.kv_lease_s
+        self.kv_compat = ready.kv_compat
+        self.tokenizer = load_tokenizer(ready.tokenizer) if ready.tokenizer else None
         self._metrics: dict[str, int] = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
@@ -399,23 +396,23 @@ class EngineProcess(_Background):
             with contextlib.suppress(Exception):
                 loop.remove_reader(self._outputs.fileno())
 
-    def _send(self, cmd: tuple) -> None:
-        if cmd != STOP:
+    def _send(self, cmd: EngineCommand) -> None:
+        if isinstance(cmd, AddRequest):
             self.attach()
-        if cmd[0] == "add":
-            self._prompts[cmd[1]] = (cmd[2], cmd[3])
-        elif cmd[0] == "abort":
-            self._prompts.pop(cmd[1], None)
+            self._prompts[cmd.request_id] = (cmd.prompt, cmd.prompt_token_ids)
+        elif isinstance(cmd, AbortRequest):
+            self.attach()
+            self._prompts.pop(cmd.request_id, None)
         try:
             with self._lock:
                 self._commands.send(cmd)
         except OSError as e:  # the process is gone: nothing to abort; an add fails as a dead engine
-            if cmd[0] == "add":
+            if isinstance(cmd, AddRequest):
                 raise EngineDeadError(f"the engine process has exited (code {self._process.exitcode})") from e
 
     def shutdown(self) -> None:
         self._closing = True
-        self._send(STOP)
+        self._send(StopEngine())
         self._process.join(timeout=10)
         if self._process.is_alive():
             self._process.kill()
@@ -425,16 +422,16 @@ class EngineProcess(_Background):
         """Every step message waiting in the pipe (on the loop, when it is readable)."""
         try:
             while self._outputs.poll():
-                msg = self._outputs.recv()
-                if msg[0] == "error":
-                    raise msg[1]
-                if msg[0] == "failed":
-                    for request_id, _ in msg[1]:
-                        self._prompts.pop(request_id, None)
-                    self._fail_requests(msg[1])
-                    continue
-                _, outs, self._metrics = msg
-                self._deliver_step([out for o in outs if (out := self._output(*o)) is not None])
+                match self._outputs.recv():
+                    case EngineCoreOutputs(outs, metrics):
+                        self._metrics = metrics
+                        self._deliver_step([out for o in outs if (out := self._output(o)) is not None])
+                    case RequestsFailed(failed):
+                        for request_id, _ in failed:
+                            self._prompts.pop(request_id, None)
+                        self._fail_requests(failed)
+                    case EngineDead(error):
+                        raise error
         except EOFError:
             self._detach()
             if not self._closing:
@@ -443,14 +440,12 @@ class EngineProcess(_Background):
             self._detach()
             self._fail(e)
 
-    def _output(
-        self, request_id: str, comps: list[tuple], finished: bool, num_cached: int, kv_transfer_params: dict | None
-    ) -> RequestOutput | None:
-        prompt = self._prompts.pop(request_id, None) if finished else self._prompts.get(request_id)
+    def _output(self, out: EngineCoreOutput) -> RequestOutput | None:
+        prompts = self._prompts
+        prompt = prompts.pop(out.request_id, None) if out.finished else prompts.get(out.request_id)
         if prompt is None:  # aborted meanwhile
             return None
-        outputs = [CompletionOutput(index, *c) for index, c in enumerate(comps)]
-        return RequestOutput(request_id, *prompt, outputs, finished, num_cached, kv_transfer_params=kv_transfer_params)
+        return out.request_output(*prompt)
 
 
 def start_background_engine(engine_args: dict, in_process: bool = False) -> AsyncEngine | EngineProcess:
