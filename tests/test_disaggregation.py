@@ -178,7 +178,7 @@ def test_a_request_queued_on_the_decode_instance_keeps_its_lease(tiny_qwen, colo
     """The decode instance renews the lease of a request waiting in its queue, so that the prefill
     instance keeps the KV past kv_lease_s (on main it freed it, let another prompt overwrite it, and
     the pull read that: wrong tokens). P's pool holds one prompt; the next prompt waits for the lease."""
-    prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=1.0, num_gpu_blocks_override=3)
+    prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=2.0, num_gpu_blocks_override=3)
     decode = _engine(tiny_qwen[0], kv_role="decode", max_num_seqs=1)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]
@@ -187,7 +187,7 @@ def test_a_request_queued_on_the_decode_instance_keeps_its_lease(tiny_qwen, colo
     for i in range(8):  # (D's one seat, taken for 8 x 1,019 steps)
         decode.add_validated_request(f"busy{i}", None, PROMPTS[0], busy)
     decode.add_validated_request("a", None, PROMPTS[3], params, held.kv_transfer_params)
-    end = time.monotonic() + 3.0  # (three leases)
+    end = time.monotonic() + 3.0  # (a lease and a half: renewals every 0.67 s, none missed by 0.33 s)
     while time.monotonic() < end:
         decode.step()
         prefill.step()
