@@ -48,7 +48,7 @@ def engine_args(path: str, **kwargs) -> dict:
 def need_nixl() -> None:
     """Skip the calling test module without NIXL; with it, NIXL between processes goes over loopback
     TCP (the engine processes inherit the setting)."""
-    from picovllm.distributed.kv_transfer import nixl_api
+    from picovllm.distributed.kv_transfer.nixl import nixl_api
 
     try:
         nixl_api()

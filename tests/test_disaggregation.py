@@ -222,7 +222,8 @@ def test_a_lease_that_ended_while_the_decode_instance_was_frozen_is_not_pulled(t
 
 
 def test_a_pull_reported_for_an_ended_lease_is_counted_as_late(tiny_qwen):
-    from picovllm.distributed.kv_transfer import LeaseNotice, NixlKVTransfer
+    from picovllm.distributed.kv_transfer import LeaseNotice
+    from picovllm.distributed.kv_transfer.nixl import NixlKVTransfer
 
     prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=0.1)
     held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]

@@ -14,7 +14,8 @@ import torch
 
 from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.communicator import tp_broadcast
-from picovllm.distributed.kv_transfer import KVTransfer, NixlKVTransfer, block_runs
+from picovllm.distributed.kv_transfer import KVTransfer, block_runs
+from picovllm.distributed.kv_transfer.nixl import NixlKVTransfer
 from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.kernels.prefill_attention import num_work_items
 from picovllm.messages import SamplerOutput, SamplingBatch, StepInputs

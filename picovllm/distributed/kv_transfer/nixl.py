@@ -1,108 +1,26 @@
-"""KV transfer between instances (disaggregated prefill): a decode instance pulls the KV blocks of a
-prompt that a prefill instance computed, straight from that instance's pool into its own.
+"""KVTransfer's backend: one NIXL agent per pool, one-sided READs over UCX, host or GPU memory,
+across processes and machines; between two GPU pools of one machine the blocks go through CUDA
+IPC instead (cuda_ipc.py), when the peer's handle opens here, and NIXL still carries the
+notices. A dead peer fails the pulls from it (their ids come back from poll as failed); nothing
+waits on it. A pull into blocks that a step launched ahead may still be writing (they were
+freed under it) starts after the work already queued on this pool's device.
 
-KVTransfer is what the engine's side (engine/kv_handoff.py) calls, through the rank that holds
-the pool: register the pool, describe it to peers (agent_info, JSON), pull remote blocks into
-local ones, poll the pulls, and send a peer's rank 0 LeaseNotices about the blocks it holds for
-this side (renew the lease, release it; the peer reads them with `notices`). NixlKVTransfer is
-its backend: one NIXL agent per pool, one-sided READs over UCX, host or GPU memory, across
-processes and machines. Between two GPU pools of one machine it copies through CUDA IPC instead
-(the peer's pool mapped into this process, the blocks gathered and scattered by two kernels on a
-stream of their own), when the peer's handle opens here; NIXL still carries the notices. A dead
-peer fails the pulls from it (their ids come back from poll as failed); nothing waits on it. A
-pull into blocks that a step launched ahead may still be writing (they were freed under it)
-starts after the work already queued on this pool's device.
-
-The pool is the model runner's [layers, 2, num_blocks, kv_heads, block_size, head_dim] tensor
-(worker/model_runner.py, allocate_kv_pool): a block of one layer's K (or V) is contiguous, and so
-is a run of its heads. A pull is one descriptor per layer, K/V and run of consecutive block ids on
-both sides; one that reshards heads (other tensor-parallel sizes) is one per layer, K/V and block.
+A pull is one descriptor per layer, K/V and run of consecutive block ids on both sides; one that
+reshards heads (other tensor-parallel sizes) is one per layer, K/V and block.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import threading
 import uuid
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
-
-class KVTransferError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class LeaseNotice:
-    """What a decode instance tells the prefill instance holding a prompt's KV for it: "renew"
-    (the request still waits here: keep the blocks another lease), "release" (they will not be
-    read), "pulled" (they have been read). Both of the last two end the lease."""
-
-    kind: Literal["renew", "release", "pulled"]
-    request_id: str
-
-    _TAG = b"picovllm-lease:"
-
-    def encode(self) -> bytes:
-        return self._TAG + json.dumps([self.kind, self.request_id]).encode()
-
-    @classmethod
-    def decode(cls, message: bytes) -> LeaseNotice | None:
-        """The notice a message carries (None: not one of ours, or malformed)."""
-        if not message.startswith(cls._TAG):
-            return None
-        try:
-            kind, request_id = json.loads(message[len(cls._TAG) :])
-        except (ValueError, TypeError):
-            return None
-        if kind not in ("renew", "release", "pulled") or not isinstance(request_id, str):
-            return None
-        return cls(kind, request_id)
-
-
-class KVTransfer(ABC):
-    @abstractmethod
-    def register(self, kv_cache: torch.Tensor) -> None:
-        """The KV pool peers will read from and this side pulls into."""
-
-    @abstractmethod
-    def agent_info(self) -> dict:
-        """What a peer needs to pull from this pool (JSON: it travels in kv_transfer_params)."""
-
-    @abstractmethod
-    def pull(
-        self, pull_id: str, remote: dict, remote_blocks: list[int], local_blocks: list[int], after: bool = False
-    ) -> None:
-        """Start copying the remote pool's blocks into ours (remote_blocks[i] -> local_blocks[i]);
-        after: only once the work already queued on our device has ended (a step in flight may
-        still write the local blocks)."""
-
-    @abstractmethod
-    def poll(self) -> tuple[list[str], dict[str, str]]:
-        """The pulls that completed since the last call, and those that failed (id -> why)."""
-
-    @abstractmethod
-    def notify(self, remote: dict, notice: LeaseNotice) -> None:
-        """Send the remote instance (its rank 0, which holds the leases) a notice; a peer gone is
-        not an error (its leases end by themselves)."""
-
-    @abstractmethod
-    def notices(self) -> list[LeaseNotice]:
-        """The notices peers sent since the last call."""
-
-    def stats(self) -> dict[str, int]:
-        """The backend's own counters (LLMEngine.get_metrics)."""
-        return {}
-
-    @abstractmethod
-    def close(self) -> None:
-        """End the pulls in flight and unregister the pool."""
+from picovllm.distributed.kv_transfer.base import KVTransfer, KVTransferError, LeaseNotice, block_runs
+from picovllm.distributed.kv_transfer.cuda_ipc import CudaIpcCopier
 
 
 def nixl_api():
@@ -159,13 +77,11 @@ class NixlKVTransfer(KVTransfer):
         self._info: dict | None = None  # (rank_info, once registered)
         self.peers: set[str] = set()  # remote agents added (by name)
         self.pulls: dict[str, list] = {}  # pull id -> its NIXL transfer handles (one a remote rank)
-        self.copies: dict[str, torch.cuda.Event] = {}  # pull id -> the end of its CUDA IPC copy
         self.waiting: dict[str, torch.cuda.Event] = {}  # pull id -> the work its NIXL transfers start after
         self.failed: dict[str, str] = {}  # pull id -> why, reported once nothing of it is in flight
         self.active: set[str] = set()  # pulls started, not reported by poll yet
-        self.mapped: dict[str, torch.Tensor | None] = {}  # peer name -> its pool through CUDA IPC (None: no)
         self.cuda_ipc = cuda_ipc  # (pull through CUDA IPC where it works)
-        self.num_ipc_pulls = 0
+        self.ipc: CudaIpcCopier | None = None  # (a GPU pool's)
 
     def register(self, kv_cache: torch.Tensor) -> None:
         assert kv_cache.is_contiguous() and kv_cache.dim() == 6
@@ -174,7 +90,7 @@ class NixlKVTransfer(KVTransfer):
         self.device_id = kv_cache.device.index or 0
         self._registration = self.agent.register_memory(kv_cache)
         if kv_cache.is_cuda:
-            self.stream = torch.cuda.Stream(kv_cache.device)
+            self.ipc = CudaIpcCopier(kv_cache, self.first_head)
 
     def rank_info(self) -> dict:
         if self._info is None:
@@ -189,8 +105,7 @@ class NixlKVTransfer(KVTransfer):
             "base": self.kv.data_ptr(),
             "device_id": self.device_id,
             "mem_type": self.mem_type,
-            "cuda_ipc": _ipc_export(self.kv) if self.kv.is_cuda else None,
-            "boot_id": _boot_id(),
+            **(self.ipc.describe() if self.ipc is not None else {"cuda_ipc": None}),
             "num_layers": layers,
             "num_blocks": blocks,
             "block_size": block_size,
@@ -237,9 +152,9 @@ class NixlKVTransfer(KVTransfer):
             ready.record()
         try:
             for r, lo, hi in self._sources(remote["ranks"]):
-                mapped = self._mapped(r)
+                mapped = self.ipc.peer_pool(r) if self.ipc is not None and self.cuda_ipc else None
                 if mapped is not None:
-                    self._copy(pull_id, mapped, r, lo, hi, remote_blocks, local_blocks, ready)
+                    self.ipc.copy(pull_id, mapped, r, lo, hi, remote_blocks, local_blocks, ready)
                     continue
                 peer = self._peer(r)
                 local, far = self._descs(r, lo, hi, remote_blocks, local_blocks)
@@ -291,44 +206,10 @@ class NixlKVTransfer(KVTransfer):
             out.append(np.stack([addr.ravel(), np.ravel(size), device], axis=1).astype(np.uint64))
         return out[0], out[1]
 
-    def _mapped(self, remote: dict) -> torch.Tensor | None:
-        """The peer's pool mapped through CUDA IPC: both pools on GPUs of this machine booted
-        once, and the handle opens here; else None (NIXL then)."""
-        name = remote["agent"]
-        if name not in self.mapped:
-            self.mapped[name] = None
-            if self.cuda_ipc and self.kv.is_cuda and remote.get("cuda_ipc") and remote.get("boot_id") == _boot_id():
-                try:
-                    self.mapped[name] = _ipc_open(remote["cuda_ipc"])
-                except Exception:  # (another container, no peer access: NIXL carries it)
-                    pass
-        return self.mapped[name]
-
-    def _copy(self, pull_id, remote_kv: torch.Tensor, r: dict, lo: int, hi: int, remote_blocks, local_blocks, ready):
-        """Heads [lo, hi) of the blocks gathered from the peer's pool and scattered into ours, on
-        our copy stream once `ready` has passed (a pull's later copies are ordered after its
-        earlier ones)."""
-        device = self.kv.device
-        theirs = slice(lo - r["first_head"], hi - r["first_head"])
-        mine = slice(lo - self.first_head, hi - self.first_head)
-        if ready is not None:
-            self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            src = torch.tensor(remote_blocks, device=remote_kv.device)
-            dst = torch.tensor(local_blocks, device=device)
-            gathered = remote_kv.index_select(2, src)[:, :, :, theirs].to(device, non_blocking=True)
-            self.kv[:, :, :, mine].index_copy_(2, dst, gathered)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self.copies[pull_id] = done
-        self.num_ipc_pulls += 1
-
     def poll(self) -> tuple[list[str], dict[str, str]]:
         """A pull ends when none of its CUDA IPC copies and NIXL transfers is in flight; it failed
         if any of them did (or it could not start)."""
-        for pull_id, event in list(self.copies.items()):
-            if event.query():
-                del self.copies[pull_id]
+        copying = self.ipc.in_flight() if self.ipc is not None else set()
         for pull_id, ready in list(self.waiting.items()):
             if ready.query():
                 del self.waiting[pull_id]
@@ -357,7 +238,7 @@ class NixlKVTransfer(KVTransfer):
             if bad:
                 self.failed.setdefault(pull_id, "the transfer failed" if bad[0] == "ERR" else bad[0])
         done, failed = [], {}
-        for pull_id in [p for p in self.active if p not in self.pulls and p not in self.copies]:
+        for pull_id in [p for p in self.active if p not in self.pulls and p not in copying]:
             self.active.discard(pull_id)
             if pull_id in self.failed:
                 failed[pull_id] = self.failed.pop(pull_id)
@@ -366,7 +247,7 @@ class NixlKVTransfer(KVTransfer):
         return done, failed
 
     def stats(self) -> dict[str, int]:
-        return {"kv_transfers_cuda_ipc": self.num_ipc_pulls}
+        return {"kv_transfers_cuda_ipc": self.ipc.num_pulls if self.ipc is not None else 0}
 
     def notify(self, remote: dict, notice: LeaseNotice) -> None:
         try:
@@ -381,10 +262,8 @@ class NixlKVTransfer(KVTransfer):
         return got
 
     def close(self) -> None:
-        for event in self.copies.values():
-            event.synchronize()
-        self.copies.clear()
-        self.mapped.clear()
+        if self.ipc is not None:
+            self.ipc.close()
         for handles in self.pulls.values():  # (a pull still writing into the pool must end before the pool goes)
             for handle in handles:
                 try:
@@ -401,70 +280,3 @@ class NixlKVTransfer(KVTransfer):
 
 def _shape(info: dict) -> dict:
     return {k: info[k] for k in ("num_layers", "num_heads", "head_bytes", "block_size")}
-
-
-def block_runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
-    """(remote start, local start, count) of the runs where both sides' block ids go up by one."""
-    runs: list[list[int]] = []
-    for r, lo in zip(remote, local, strict=True):
-        if runs and r == runs[-1][0] + runs[-1][2] and lo == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([r, lo, 1])
-    return [tuple(x) for x in runs]
-
-
-def _boot_id() -> str:
-    """This machine's boot (processes that share it may share GPU memory)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _ipc_export(t: torch.Tensor) -> dict:
-    """A CUDA tensor's IPC handle as JSON (torch.multiprocessing's, whose pickle a peer must not be
-    made to load)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(t)
-    _, size, stride, offset, _, dtype, device, handle, nbytes, nbytes_offset, _, ref, ref_offset, event, sync = args
-    b64 = base64.b64encode
-    return {
-        "size": list(size),
-        "stride": list(stride),
-        "offset": offset,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": device,
-        "handle": b64(handle).decode(),
-        "storage_bytes": nbytes,
-        "storage_offset": nbytes_offset,
-        "ref_counter": b64(ref).decode(),
-        "ref_counter_offset": ref_offset,
-        "event": b64(event).decode() if event else None,
-        "event_sync": sync,
-    }
-
-
-def _ipc_open(d: dict) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    unb64 = base64.b64decode
-    return rebuild_cuda_tensor(
-        torch.Tensor,
-        torch.Size(d["size"]),
-        tuple(d["stride"]),
-        d["offset"],
-        torch.storage.TypedStorage,
-        getattr(torch, d["dtype"]),
-        d["device"],
-        unb64(d["handle"]),
-        d["storage_bytes"],
-        d["storage_offset"],
-        False,
-        unb64(d["ref_counter"]),
-        d["ref_counter_offset"],
-        unb64(d["event"]) if d["event"] else None,
-        d["event_sync"],
-    )
