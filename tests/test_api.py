@@ -332,3 +332,22 @@ def test_kv_cache_memory_sizes_the_pool_on_any_device(tiny_qwen):
     assert engine.block_manager.num_total_blocks == (3 << 20) // per_block
     engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], num_gpu_blocks_override=7))
     assert engine.block_manager.num_total_blocks == 7
+
+
+def test_an_engine_is_freed_as_soon_as_its_last_reference_goes(tiny_qwen):
+    """No reference cycle holds an engine (its parts call back into none of it): dropping it frees
+    its pools and a prefill or decode instance's NIXL agent at once, not at a later collection."""
+    import gc
+    import weakref
+
+    engine = LLMEngine.from_engine_args(**engine_args(tiny_qwen[0], skip_tokenizer_init=True))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    gone = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert gone() is None
+    finally:
+        gc.enable()

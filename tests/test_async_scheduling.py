@@ -33,9 +33,9 @@ def test_outputs_equal_the_synchronous_engine(engines):
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0.5, seed=11, max_tokens=15, min_tokens=3),
     ]
-    before = fast.llm_engine.num_launched_ahead
+    before = fast.llm_engine.launcher.num_launched_ahead
     assert _run(fast, prompts, params) == _run(sync, prompts, params)
-    assert fast.llm_engine.num_launched_ahead > before  # the fast path was taken
+    assert fast.llm_engine.launcher.num_launched_ahead > before  # the fast path was taken
 
 
 def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
@@ -53,17 +53,17 @@ def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
     ]
     for i, p in enumerate(prompts + [[20, 21]]):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=10 if i < 3 else 40))
-    done, steps, dropped = {}, 0, engine.num_dropped_ahead
+    done, steps, dropped = {}, 0, engine.output_processor.num_dropped
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         steps += 1
         if steps == 4:
-            assert engine._inflight is not None  # a step is in flight: abort under it
+            assert engine.launcher.inflight is not None  # a step is in flight: abort under it
             engine.abort_request("r3")
     assert [done[f"r{i}"] for i in range(3)] == expected and "r3" not in done
-    assert engine.num_dropped_ahead > dropped  # requests did stop under a step launched ahead
+    assert engine.output_processor.num_dropped > dropped  # requests did stop under a step launched ahead
     assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks
     assert fast.reset_prefix_cache() and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
 
@@ -90,7 +90,7 @@ def test_prompt_chunks_and_admissions_are_launched_ahead_too(tiny_qwen, monkeypa
         for out in engine.step():
             if out.finished:
                 done[int(out.request_id)] = out.outputs[0].token_ids
-        inflight = engine._inflight
+        inflight = engine.launcher.inflight
         chunks_ahead += inflight is not None and any(n > 1 for n in inflight.batch.num_new_tokens)
         step += 1
     assert [done[i] for i in range(len(prompts))] == expected

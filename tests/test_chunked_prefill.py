@@ -35,8 +35,8 @@ def test_a_long_prompt_is_chunked_and_mixed_with_decodes(tiny_qwen):
     for _ in range(4):
         batch = engine.scheduler.schedule()
         steps.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
-        launched = engine._launch(batch)  # the forward; the requests that sample and their tokens
-        engine._process(launched.reqs, launched.out.sampled.sampled.tolist(), launched.out.sampled)
+        launched = engine.launcher.launch(batch)  # the forward; the requests that sample and their tokens
+        engine.output_processor.process(launched.reqs, launched.out.sampled.sampled.tolist(), launched.out.sampled)
         sampled_by.append([r.request_id for r in launched.reqs])
         engine.check_invariants()
     # 23 prompt tokens in chunks of 9, 9, 5 beside the short request's decodes, then a decode;

@@ -20,7 +20,7 @@ import torch
 from hf_reference import assert_greedy_match, hf_greedy
 
 from picovllm import LLM, SamplingParams
-from picovllm.engine.llm_engine import step_inputs
+from picovllm.engine.step_launcher import step_inputs
 from picovllm.messages import SamplerOutput
 from picovllm.model.loader.builtin import DUMMY_CONFIGS
 
@@ -113,7 +113,7 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
         sampled = SamplerOutput(ours[-1].argmax(dim=-1), None, None, None, None)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        engine._process(batch.requests, sampled.sampled.tolist(), sampled)
+        engine.output_processor.process(batch.requests, sampled.sampled.tolist(), sampled)
     ours = torch.cat(ours)
     from transformers import AutoModelForCausalLM
 
@@ -325,7 +325,7 @@ def test_async_scheduling_gives_the_same_tokens():
         llm = LLM(**kw, async_scheduling=async_scheduling)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if async_scheduling:
-            assert llm.llm_engine.num_launched_ahead > 0
+            assert llm.llm_engine.launcher.num_launched_ahead > 0
         del llm
         _free_gpu()
     assert results[0] == results[1]
@@ -354,7 +354,7 @@ def test_async_scheduling_with_arrivals_and_a_long_prompt(peaked_1p5b):
                     done[int(out.request_id)] = out.outputs[0]
             step += 1
         if async_scheduling:
-            assert engine.num_launched_ahead > 0
+            assert engine.launcher.num_launched_ahead > 0
         runs.append([done[i] for i in range(len(prompts))])
         del llm, engine
         _free_gpu()
@@ -415,18 +415,18 @@ def test_launching_a_step_never_waits_for_the_device():
         for i in range(len(prompts))
     ]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params[:3], use_tqdm=False)  # warm-up (compilation)
-    launch, checked = engine._launch, [0]
+    launch, checked = engine.launcher.launch, [0]
 
-    def launch_checked(batch, pending=None):
+    def launch_checked(batch, num_pending=0, pending_rows=None):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(batch, pending)
+            return launch(batch, num_pending, pending_rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            checked[0] += pending is not None
+            checked[0] += num_pending > 0
 
-    engine._launch = launch_checked
-    ahead_before, done, step = engine.num_launched_ahead, {}, 0
+    engine.launcher.launch = launch_checked
+    ahead_before, done, step = engine.launcher.num_launched_ahead, {}, 0
     while len(done) < len(prompts):
         if step < len(prompts):
             engine.add_request(str(step), prompts[step], params[step])
@@ -435,7 +435,10 @@ def test_launching_a_step_never_waits_for_the_device():
                 done[int(out.request_id)] = len(out.outputs[0].token_ids)
         step += 1
     assert done == {i: p.max_tokens for i, p in enumerate(params)}
-    assert checked[0] == engine.num_launched_ahead - ahead_before >= 20, (checked, engine.num_launched_ahead)
+    assert checked[0] == engine.launcher.num_launched_ahead - ahead_before >= 20, (
+        checked,
+        engine.launcher.num_launched_ahead,
+    )
     assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks
     del llm, engine
     _free_gpu()

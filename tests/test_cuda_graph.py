@@ -4,7 +4,7 @@ batch into the static buffers. (Capture and replay run in scripts/gpu_check.sh.)
 import numpy as np
 import torch
 
-from picovllm.engine.llm_engine import step_inputs
+from picovllm.engine.step_launcher import step_inputs
 from picovllm.messages import StepInputs
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from picovllm.worker.inputs import MixedPadding, Uploader, build_decode, build_eager, build_mixed_graph

@@ -7,7 +7,7 @@ from hf_reference import assert_greedy_match, hf_greedy
 from tiny_models import build_model
 
 from picovllm import SamplingParams
-from picovllm.engine.llm_engine import step_inputs
+from picovllm.engine.step_launcher import step_inputs
 from picovllm.messages import SamplerOutput
 
 TOL = 1e-3  # fp32 near-tie tolerance on the reference's top-2 logits
@@ -75,7 +75,7 @@ def _process(engine, batch, sampled):
     """What LLMEngine.step does after the forward (every request here samples)."""
     for req, n in zip(batch.requests, batch.num_new_tokens):
         req.num_computed_tokens += n
-    engine._process(batch.requests, sampled.sampled.tolist(), sampled)
+    engine.output_processor.process(batch.requests, sampled.sampled.tolist(), sampled)
 
 
 def _greedy(logits):

@@ -262,7 +262,7 @@ def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_schedu
     assert len(outputs) + len(aborted) >= len(prompts)
     assert engine.reset_prefix_cache()
     assert engine.block_manager.num_free_blocks == 24
-    assert (engine.num_launched_ahead > 0) == async_scheduling
+    assert (engine.launcher.num_launched_ahead > 0) == async_scheduling
     if offload:
         assert engine.block_manager.host.num_blocks == offload == engine.block_manager.host.num_free
         assert metrics["kv_offload_demoted_blocks"] > 0 and metrics["kv_offload_promoted_blocks"] > 0

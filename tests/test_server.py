@@ -240,7 +240,11 @@ def test_64_concurrent_streams(server, client):
         assert text == expected[p]
     engine = server[1]
     if engine is not None:
-        assert engine.num_launched_ahead > 0 if engine.async_scheduling else engine.num_launched_ahead == 0
+        assert (
+            engine.launcher.num_launched_ahead > 0
+            if engine.config.async_scheduling
+            else engine.launcher.num_launched_ahead == 0
+        )
 
 
 def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):

@@ -195,7 +195,7 @@ def test_tp_generates_what_tp1_generates(tmp_path, arch, kv_heads, tie, tp):
     _assert_same(_outputs(llm, prompts, params), ref)
     metrics = llm.get_metrics()
     assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hit_tokens"] > 0
-    assert llm.llm_engine.num_launched_ahead > 0
+    assert llm.llm_engine.launcher.num_launched_ahead > 0
     assert len(multiprocessing.active_children()) == tp - 1
     llm.shutdown()
     assert not multiprocessing.active_children()

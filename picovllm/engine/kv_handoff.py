@@ -1,5 +1,5 @@
 """The engine's side of disaggregated prefill (EngineConfig.kv_role; the transport is the KV
-transfer of the rank that holds the pool, distributed/kv_transfer.py).
+transfer of the rank that holds the pool, distributed/kv_transfer/).
 
 A prefill instance runs a request that asks for it (kv_transfer_params {"do_remote_decode": true},
 max_tokens 1) as any other; when it finishes, its prompt's blocks stay held under a lease, and
@@ -46,7 +46,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from picovllm.config import EngineConfig
+from picovllm.config import EngineConfig, ModelConfig
 from picovllm.distributed.kv_transfer import KVTransfer, LeaseNotice
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.request import Request, RequestStatus
@@ -350,7 +350,7 @@ GAUGES = {
 TRANSFER_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-def kv_compat(model_fingerprint: str, dtype, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int):
+def kv_compat(model_fingerprint: str, dtype, model_config: ModelConfig, block_size: int) -> dict:
     """What a pool's KV is: two instances may exchange blocks only if theirs are equal."""
     from picovllm import __version__
 
@@ -358,9 +358,9 @@ def kv_compat(model_fingerprint: str, dtype, num_layers: int, num_kv_heads: int,
         "model": model_fingerprint,
         "dtype": str(dtype).removeprefix("torch."),
         "kv_layout": "layers,2,blocks,kv_heads,block_size,head_dim",
-        "num_layers": num_layers,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
+        "num_layers": model_config.num_hidden_layers,
+        "num_kv_heads": model_config.num_key_value_heads,
+        "head_dim": model_config.head_dim,
         "block_size": block_size,
         "version": __version__,
     }

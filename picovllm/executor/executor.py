@@ -18,6 +18,7 @@ collected, and at exit) stops every rank and leaves no process behind.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,8 @@ from picovllm.messages import (
     answers,
 )
 from picovllm.worker.worker import Worker
+
+logger = logging.getLogger("picovllm")
 
 
 class WorkerError(RuntimeError):
@@ -131,8 +134,18 @@ class Executor:
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.collective_rpc(AllocateKVCache(num_blocks, num_host_blocks))
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int) -> float:
-        """Seconds of rank 0's capture."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int) -> float | None:
+        """CUDA graphs on every rank, on a GPU unless enforce_eager: seconds of rank 0's capture
+        (None: none, and the steps run eagerly)."""
+        if self._device().type != "cuda" or self.config.enforce_eager:
+            return None
+        if not self.graphs_capturable:
+            logger.warning("tensor-parallel ranks sharing a GPU talk over gloo, which graphs cannot capture: eager")
+            return None
+        if not self.driver.graphs_supported():
+            # the PyTorch reference path syncs (nonzero, data-dependent shapes): not capturable
+            logger.warning("CUDA graphs need the Triton kernels (disabled or missing): running eager")
+            return None
         return self.collective_rpc(CaptureGraphs(max_num_seqs, max_model_len, mixed_graph_tokens))[0]
 
     @property

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype
+from picovllm.kernels import triton_utils
 from picovllm.messages import (
     AllocateKVCache,
     CaptureGraphs,
@@ -87,6 +88,11 @@ class Worker:
 
     def num_kv_blocks(self) -> int:
         return self.model_runner.num_kv_blocks(self.config)
+
+    @staticmethod
+    def graphs_supported() -> bool:
+        """Whether the forward can be captured: the Triton kernels, not the PyTorch references."""
+        return triton_utils.ENABLED and triton_utils.HAS_TRITON
 
     def follow(self, recv: Callable[[], WorkerCommand], reply: Callable[[object], None] | None = None) -> None:
         """Run rank 0's commands until its Shutdown, answering those that answer through reply.

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
 
 from picovllm.engine.kv_handoff import GAUGES, METRICS, TRANSFER_TIME_BUCKETS
-from picovllm.engine.llm_engine import OFFLOAD_METRICS
+from picovllm.engine.stats import OFFLOAD_METRICS
 from picovllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (

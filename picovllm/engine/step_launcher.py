@@ -1,0 +1,162 @@
+"""Launching steps: a scheduled batch as the messages every rank runs (step_inputs, sampling_batch)
+and, with async scheduling, the step launched ahead of the one being read, whose state this
+owns: the step in flight, and the sampling batch kept while the same requests sample again.
+
+With async scheduling a step launches the next one before its own tokens are read: the next
+step's inputs take those tokens on the device (rank 0's worker keeps them, ExecuteStep), so the
+GPU has its next step queued while the host processes this one. A request that stops meanwhile
+has its extra token dropped (OutputProcessor).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import numpy as np
+
+from picovllm.engine.kv_handoff import KVHandoff
+from picovllm.engine.output_processor import at_length_limit
+from picovllm.engine.request import Request
+from picovllm.engine.scheduler import ScheduledBatch, Scheduler
+from picovllm.executor.executor import Executor
+from picovllm.messages import ExecuteStep, ModelRunnerOutput, SamplingBatch, StepInputs
+
+
+class LaunchedStep(NamedTuple):
+    """A launched forward: its batch, the requests that sample, their samples on the way to the
+    host (None: no row samples), and its number (BlockManager.step_launched)."""
+
+    batch: ScheduledBatch
+    reqs: list[Request]
+    out: ModelRunnerOutput | None
+    number: int
+
+
+def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | None = None) -> StepInputs:
+    """A scheduled batch as plain data (what every rank's forward needs), with the copies between
+    the KV pools to run first. The first num_pending requests decode a token sampled by the step
+    before and not yet read by the host (a step launched ahead): their input token is a
+    placeholder, filled on the device (ModelRunner.prepare)."""
+    token_ids, context, sample = [], [], []
+    for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+        end = r.num_computed_tokens + n
+        token_ids.append([0] if i < num_pending else r.token_ids[end - n : end])
+        context.append(end)
+        sample.append(i < num_pending or end == len(r.token_ids))
+    return StepInputs(
+        token_ids,
+        np.array(context, dtype=np.int64),
+        np.array(batch.num_new_tokens, dtype=np.int64),
+        [r.block_table for r in batch.requests],
+        np.array(sample),
+        kv_copies or [],
+    )
+
+
+def _reads_output(req: Request) -> bool:
+    """Whether req's next sample depends on its output so far: penalties, or a min_tokens ban."""
+    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens
+
+
+def sampling_batch(reqs: list[Request], finished_ids: list[str]) -> SamplingBatch:
+    """The sampling rows of the requests that sample, as plain data (a pending row's output so
+    far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban)."""
+    penalties = any(r.params.has_penalties for r in reqs)
+    return SamplingBatch(
+        [r.request_id for r in reqs],
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        [r.num_output_tokens for r in reqs],
+        [r.prompt_token_ids for r in reqs] if penalties else None,
+        [r.output_token_ids for r in reqs] if penalties else None,
+        finished_ids,
+    )
+
+
+class StepLauncher:
+    def __init__(self, scheduler: Scheduler, kv_handoff: KVHandoff | None, executor: Executor, async_scheduling: bool):
+        self.scheduler, self.block_manager, self.kv_handoff = scheduler, scheduler.block_manager, kv_handoff
+        self.executor, self.async_scheduling = executor, async_scheduling
+        self.inflight: LaunchedStep | None = None  # a step launched ahead, its tokens not read yet
+        self._last_sampling: tuple[list[Request], SamplingBatch] | None = None  # (see _sampling_batch)
+        self.num_launched_ahead = 0
+
+    def next_step(self) -> LaunchedStep | None:
+        """The step whose tokens to read now: the one launched ahead, else one launched now (None:
+        nothing to run); with async scheduling, the step after it is launched before returning."""
+        step = self.inflight
+        if step is None:
+            batch = self.schedule(None)
+            if batch is None:
+                return None
+            step = self.launch(batch)
+        self.inflight = self.launch_ahead(step) if self.async_scheduling else None
+        return step
+
+    def schedule(self, decodes: list[Request] | None) -> ScheduledBatch | None:
+        """The scheduler's next batch (schedule_ahead with `decodes`); the pulls of the requests it
+        admitted to wait for their KV start here."""
+        handoff, sched = self.kv_handoff, self.scheduler
+        if handoff is not None:
+            sched.paused = handoff.admission_paused
+        batch = sched.schedule() if decodes is None else sched.schedule_ahead(decodes)
+        if handoff is not None:
+            for req in sched.take_new_pulls():
+                handoff.start(req)
+        return batch
+
+    def reset(self) -> None:
+        """Nothing in flight (no request left, or a step failed)."""
+        self.inflight, self._last_sampling = None, None
+
+    def launch(
+        self, batch: ScheduledBatch, num_pending: int = 0, pending_rows: list[int] | None = None
+    ) -> LaunchedStep:
+        """Launch the batch's forward; its first num_pending rows decode the tokens the step
+        before sampled (rows pending_rows of them; None: all), still on the device."""
+        step = step_inputs(batch, num_pending, self.block_manager.take_copies())
+        # the requests whose last token this step computes (step.sample): each samples one token
+        reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
+        sampling = self._sampling_batch(reqs) if reqs else None
+        out = self.executor.execute_step(ExecuteStep(step, num_pending, pending_rows), sampling)
+        number = self.block_manager.step_launched()
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        return LaunchedStep(batch, reqs, out, number)
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        """The step's SamplingBatch: the previous step's when the same requests sample again, none
+        has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
+        reached: the model runner then reuses its tensors too); else a new one."""
+        finished = self.scheduler.take_finished_ids()
+        last = self._last_sampling
+        if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
+            return last[1]
+        batch = sampling_batch(reqs, finished)
+        # (a batch is sent once with the ids of the requests finished before it)
+        static = not finished and not any(map(_reads_output, reqs))
+        self._last_sampling = (reqs, batch) if static else None
+        return batch
+
+    def launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
+        """Launch the step that follows `step` before its tokens are read, when its schedule does
+        not depend on them (Scheduler.schedule_ahead): the requests that sampled in `step` decode
+        the tokens it sampled, the others' prompt chunks and new admissions follow; not when a
+        request's sampling depends on its output so far (penalties, a min_tokens ban)."""
+        reqs = step.reqs
+        if not reqs:
+            return None
+        running = set(map(id, self.scheduler.running))
+        if any(id(r) not in running or _reads_output(r) for r in reqs):
+            return None
+        # a request whose token in flight is its last (max_tokens, max_model_len) finishes
+        # whatever that token is: it does not go on
+        rows = [i for i, r in enumerate(reqs) if not at_length_limit(r, pending=1)]
+        if not rows:
+            return None
+        batch = self.schedule([reqs[i] for i in rows])
+        if batch is None:
+            return None
+        self.num_launched_ahead += 1
+        return self.launch(batch, len(rows), rows if len(rows) < len(reqs) else None)
