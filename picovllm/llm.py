@@ -103,7 +103,7 @@ class LLM:
         engine = self.llm_engine
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        # (no bar at all without use_tqdm: a disabled one still costs ~20 us per call)
+        # (no bar at all without use_tqdm: a disabled one still costs time on every call)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
         start, output_tokens = time.perf_counter(), 0
         try:

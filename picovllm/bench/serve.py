@@ -74,9 +74,9 @@ async def _drive(
     model: str,
     seed: int,
 ) -> list[dict]:
-    # aiohttp, as vLLM's benchmark: a one-token streaming request costs its client process 0.24 ms
-    # of CPU on this project's machine, against 1.2 ms with httpx (bodies serialised beforehand);
-    # while a process is busy its other streams' tokens wait
+    # aiohttp, as vLLM's benchmark: a streaming request costs its client process a fraction of the
+    # CPU it costs with httpx (bodies serialised beforehand); while a process is busy its other
+    # streams' tokens wait
     import aiohttp
 
     rng = random.Random(seed)
@@ -213,8 +213,8 @@ def run_serve_bench(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # The clients run in processes of their own, as vLLM's benchmark does: parsing thousands of
     # SSE chunks a second must not take the GIL from a server running in this process.
-    # While a process starts or ends a request its other streams' tokens wait (about 0.21 ms here):
-    # the fewer streams a process holds, the fewer wait.
+    # While a process starts or ends a request its other streams' tokens wait: the fewer streams a
+    # process holds, the fewer wait.
     if client_processes is None:
         client_processes = min(8, max(1, (os.cpu_count() or 2) // 2))
     procs = max(1, min(client_processes, concurrency))

@@ -3,8 +3,8 @@
 Text appears once it is complete (a multi-byte character split across tokens shows when its
 last byte arrives). Tokenizers backed by Hugging Face `tokenizers` (every fast tokenizer) decode
 token by token in Rust with its DecodeStream, primed with the prompt's last tokens for the right
-spacing: about 2 us a token on this project's CPU, against 9 us for the windowed decoding that
-other tokenizers use (two `decode` calls over the newest tokens per step). At the end, text still
+spacing, a few times faster than the windowed decoding that other tokenizers use (two `decode`
+calls over the newest tokens per step). At the end, text still
 held back (an incomplete character) is decoded as a whole `decode` would show it.
 
 Text that a stop string found later could still cut off is not final (final_text_len): streams

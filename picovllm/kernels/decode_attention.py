@@ -14,18 +14,15 @@ from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
 BLOCK_N = 32  # keys per inner-loop tile
-# about four programs per SM on an H100 / H200: batch 128 in 2 splits, not 1, 2.51 -> 2.41 ms per
-# step; batch 1-64 unchanged (H200)
+# about four programs per SM on a Hopper GPU (at batch 128: 2 splits, not 1)
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
 # Mixed steps: the grid covers every sequence slot (in a graph, up to max_num_seqs), whatever
-# number of them decode, so the batch size says nothing; num_splits(256 slots) = 1 had left 64 decodes
-# over ~600 keys to one program each (38 us per layer on the H200). Slots that do not decode exit.
+# number of them decode, so the batch size says nothing (num_splits(256 slots) = 1 would leave each
+# decode's hundreds of keys to one program). Slots that do not decode exit.
 MIXED_SPLITS = 8
-# ... and each split at least this many keys. The kernel alone as a 128-token mixed-step graph runs
-# it, 64 decodes over 560-623 keys, 8 splits (`attention_sweep.py decode`, H200): 26.5 / 27.0 /
-# 22.4 / 27.8 / 31.8 / 45.0 us per layer with splits of at least 32 / 64 / 128 / 192 / 256 / 512
-# keys.
+# ... and each split at least this many keys: the fastest of the sizes swept
+# (benchmarks/kernels/attention_sweep.py decode; figures in benchmarks/README.md).
 MIXED_MIN_KEYS = 128
 
 

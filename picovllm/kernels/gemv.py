@@ -12,8 +12,8 @@ weight once, with the layer's neighbours fused in:
 Rounding follows the unfused reference step by step (fused_linear_ref): the normed input is
 rounded to the model dtype, as are the linear output, the SiLU output and the residual sum.
 The products are reduced on CUDA cores: at one row this beats cuBLAS plus the separate norm /
-activation / add kernels on every projection of Qwen2.5-1.5B on the H200, so the model uses it
-for one row (model/layers/linear.py); at eight rows it is 4x slower than cuBLAS's tensor cores.
+activation / add kernels on every projection measured, so the model uses it for one row
+(model/layers/linear.py); at eight rows cuBLAS's tensor cores win.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def _gemv_kernel(
             acc_up += _rows_times_tile(xv, wu)
     else:
         # the first weight tile's loads before the wait (ONE_TILE issues all of them there), each
-        # next tile's after the current one's products: H200, batch 1: 1.496 -> 1.485 ms per step
+        # next tile's after the current one's products
         w, wu = _weight_tiles(weight, n, tl.arange(0, BLOCK_K), nmask, K, s_wn, s_wk, up_offset, SILU_MUL)
         pdl_wait(USE_PDL)
         if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
@@ -134,7 +134,7 @@ def _gemv_kernel(
 
 def gemv_config(rows: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) -> dict:
     """Tiles and warps for `rows` rows of an [n, k] weight (n outputs: with silu_mul each program
-    reads 2 weight rows per output); norm: the RMSNorm is fused in. Swept on the H200 at one row
+    reads 2 weight rows per output); norm: the RMSNorm is fused in. Swept on a Hopper GPU at one row
     as the model runs them, a whole step's GEMVs graphed under programmatic dependent launch
     (benchmarks/kernels/gemv_sweep.py chain). K in one tile (up to 2,048): with the norm fused,
     4 weight rows per program on one warp (both reductions stay within the warp: no shared

@@ -6,14 +6,14 @@ paged_attention_ref (paged_attention.py).
 The grid runs over a work list, one item per (sequence, block of BLOCK_M queries), built on the
 host (prefill_work) and padded with -1 to a fixed capacity in CUDA graphs. A grid over every
 (sequence slot, query block) instead had mostly empty programs in mixed-step graphs (slots of
-decodes, which the decode kernel takes, and of padding), and empty programs are not free: on the
-H200, 98k of them per layer added about 2.5 ms to a 144-token prefill.
+decodes, which the decode kernel takes, and of padding), and empty programs are not free: tens
+of thousands of them per layer cost more than the prefill's work.
 
 Split-K over the keys, for steps with few queries over long contexts (a prompt whose long
 prefix is cached, a late chunk of a long prompt): one program per (work item, head) would leave
-the GPU nearly idle (12 programs for 40 new tokens over 2,083 cached: 127 us per layer on an
-H200). The number of splits depends on the step's shape alone (token count, work capacity),
-never the contexts, so a CUDA graph serves any context. Each query block cuts its causal key
+the GPU nearly idle (a dozen programs for 40 new tokens over 2,083 cached). The number of
+splits depends on the step's shape alone (token count, work capacity), never the contexts, so a
+CUDA graph serves any context. Each query block cuts its causal key
 range into slices of whole key tiles (at least MIN_PART keys); a block whose range fits one
 slice writes the output directly, the others write partial softmaxes that a second kernel
 merges. Big steps (enough query blocks to fill the GPU) use one split: the plain kernel."""
@@ -25,14 +25,13 @@ from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wai
 
 BLOCK_M = 64  # queries per work item (and in CUDA graphs, whose work capacity counts them)
 LONG_BLOCK_M, LONG_QUERIES = 128, 1024  # eager steps with a chunk this long: 128 queries, 8 warps
-TARGET_PROGRAMS = 256  # about two per SM on an H100 / H200
+TARGET_PROGRAMS = 256  # about two per SM on a Hopper GPU
 MAX_SPLITS = 16
 MERGE_ROWS = 8  # query rows per merge program
 MAX_PROGRAMS = 12288  # splits only while the grid stays this small (measured: 12k programs for a warm hit)
 # Keys per tile: 64, but 32 once a step splits its keys 8 or more ways (few queries over a long
-# context): shorter splits (at least 2 tiles each) leave more of them busy. In graphs of 64 and
-# 128 tokens (16 splits), kernel + merge per layer (H200, attention_sweep.py): a warm hit, 43
-# queries over 2,080 cached, 19.7 -> 18.8 us; a late chunk, 103 over 409, 17.6 -> 13.1 us.
+# context): shorter splits (at least 2 tiles each) leave more of them busy (a warm prefix hit and
+# a late chunk, benchmarks/kernels/attention_sweep.py).
 BLOCK_N, SPLIT_BLOCK_N, SPLIT_BLOCK_N_FROM = 64, 32, 8
 
 
@@ -46,9 +45,9 @@ def num_splits(num_heads: int, max_query_len: int, block_m: int, work_items: int
 
 
 def work_block_m(max_query_len: int) -> int:
-    """Queries per work item of an eager step: LONG_BLOCK_M for long prompt chunks (a 2,123-token
-    prefill, 12 heads of 128: 185 -> 144 us per layer on the H200, benchmarks/attention_sweep.py),
-    BLOCK_M otherwise (few queries: 64 rows and 4 warps measured fastest)."""
+    """Queries per work item of an eager step: LONG_BLOCK_M for long prompt chunks (faster for a
+    2,123-token prefill, benchmarks/kernels/attention_sweep.py), BLOCK_M otherwise (few queries: 64
+    rows and 4 warps measured fastest)."""
     return LONG_BLOCK_M if max_query_len >= LONG_QUERIES else BLOCK_M
 
 

@@ -37,7 +37,7 @@ ON_CPU = False
 # Programmatic dependent launch (Hopper and later): each kernel is launched while the one before it
 # drains, and does what does not read that one's output (address math, weight loads) before it
 # waits (pdl_wait): launch latency and the first weight loads overlap the previous kernel's tail.
-# On the H200, batch-1 decode 1.582 -> 1.500 ms per step. Off before Hopper;
+# (benchmarks/README.md has what it saves). Off before Hopper;
 # tests compare with it off, and the kernel profiler turns it off so that kernel times add up.
 PDL = True
 

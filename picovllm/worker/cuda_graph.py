@@ -10,10 +10,10 @@ per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(
 max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens: one runs the
 decode attention kernel for the sequences with one token, the other, for steps without such
 sequences (a lone prompt, a prefix-cache hit), leaves it out (its programs would all exit, but
-two kernels per layer still cost about 80 us per step on the H200). Padding tokens belong to no
+two kernels per layer still cost their launches). Padding tokens belong to no
 sequence (slot -1, never attended to, their rows are never sampled); padding sequences have no
 tokens and no context. A step with prompt tokens runs eagerly otherwise, paying one launch per
-op (about 12 ms per forward of Qwen2.5-1.5B on an H200, whatever the length: benchmarks/README.md).
+op, whatever the length (benchmarks/README.md has what that costs).
 
 Inside a graph nothing may allocate new memory outside the pool, sync with the host, or depend on
 data for control flow: the decode attention's grid depends on the batch size alone (each sequence

@@ -297,8 +297,8 @@ class ModelRunner:
         """One forward and, when rows sample (sampling: one row per step.sample, on rank 0), their
         samples. pending, num_pending: see prepare()."""
         logits = self.step_logits(step, pending, num_pending)
-        # The sampling parameters are built while the forward runs (a new request's: about 0.2 ms
-        # of host time that a lone request's first token would otherwise wait for); they reach
+        # The sampling parameters are built while the forward runs (host time that a lone
+        # request's first token would otherwise wait for); they reach
         # the device through pinned memory, which never waits for the queued forward.
         if sampling is None or not sampling.num_rows:
             return None

@@ -3,7 +3,7 @@
 Order: min_tokens masking and penalties on the logits -> greedy rows take the argmax ->
 temperature -> min_p -> top_k -> top_p -> a draw by the exponential race (argmax of p / q with
 q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw without the softmax, which
-for one row of a 152k vocabulary took 39 us on the H200), each seeded request drawing its noise
+costs a pass over a 152k vocabulary per row), each seeded request drawing its noise
 from its own generator so that its samples do not depend on what else is in the batch.
 Log-probabilities are those of the raw model output.
 """
@@ -95,7 +95,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     """A host list as a device tensor, without waiting for the work queued on the device: copied
     from pinned memory with non_blocking. (torch.tensor(values, device="cuda") copies from pageable
     memory and synchronises the stream: with a step launched ahead, every change of the sampling
-    requests waited there for the running step, about 3.7 ms of host time in the serving loop.)"""
+    requests would wait there for the running step.)"""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 

@@ -102,8 +102,8 @@ def frozen_heap():
     """For a long-running server process (the HTTP one and the engine's), once the engine and app
     are built: collect, then move every object alive now (the model, the imported modules) out of
     the collector's view, as vLLM's server does, so that the full collections it triggers do not
-    walk them while every stream waits (a full collection of the start-up heap took 90-125 ms on
-    the H200 machine). Collectable again on the way out: Triton's bindings report objects that
+    walk them while every stream waits (a full collection of the start-up heap takes tens of
+    milliseconds). Collectable again on the way out: Triton's bindings report objects that
     outlive them at exit as leaks."""
     gc.collect()
     gc.freeze()
