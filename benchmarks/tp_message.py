@@ -13,7 +13,7 @@ import numpy as np
 
 
 def step(batch):
-    from picovllm.worker.inputs import StepInputs
+    from picovllm.messages import StepInputs
 
     tables = [list(range(i * 64, i * 64 + 64)) for i in range(batch)]
     ones = np.ones(batch, dtype=np.int64)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from picovllm.engine.llm_engine import sampling_batch
 from picovllm.engine.request import Request
+from picovllm.engine.step_launcher import sampling_batch
 from picovllm.sampling_params import SamplingParams
 from picovllm.worker.sampler import Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p
 
