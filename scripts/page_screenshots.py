@@ -1,4 +1,4 @@
-"""The README's screenshots of the page: a running server's chat (one question asked) and
+"""The screenshots of the page in docs/serving.md: a running server's chat (one question asked) and
 dashboard, at desktop and phone widths, in a headless Chromium.
 
     picovllm serve --port 8000 &

@@ -1,4 +1,4 @@
-"""Disaggregated serving under faults, one test per row of the README's fault matrix: what the
+"""Disaggregated serving under faults, one test per row of the fault matrix in docs/distributed.md: what the
 client sees, in how long, and that nothing stays held. A prefill and a decode server (each engine
 in a process of its own, KV over NIXL on loopback TCP), and routers in front of them (fast health
 checks); instances are frozen with SIGSTOP, killed, or stood in for by small fake servers."""
