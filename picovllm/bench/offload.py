@@ -114,51 +114,73 @@ def run_multi_turn(
     final = first_len + (turns - 1) * (turn_len + output_len) + output_len
     working_set = conversations * -(-final // bs) * block_bytes
     pool = max(int(working_set / pressure), max_num_seqs * -(-final // bs) * block_bytes)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    shape = dict(conversations=conversations, turns=turns, first_len=first_len, turn_len=turn_len)
+    shape.update(output_len=output_len, vocab=vocab, final=final, seed=seed)
     results = {}
     for offload in (0, int(working_set * 1.25)):
-        rng = random.Random(seed)
-        history = [[rng.randrange(100, vocab) for _ in range(first_len - turn_len)] for _ in range(conversations)]
         llm = _engine(
             kwargs, kv_cache_memory=pool, kv_offload_memory=offload, max_num_seqs=max_num_seqs, max_model_len=final + bs
         )
-        engine = llm.llm_engine
-        _drive(engine, [[rng.randrange(100, vocab) for _ in range(turn_len)]], params, ["warm-up"])
-        engine.reset_prefix_cache()
-        before, ttfts = engine.get_metrics(), []
-        timer = CopyTimer(engine.executor.driver.model_runner)
-        sync(engine.device)
-        start = time.perf_counter()
-        for turn in range(turns):
-            for h in history:
-                h += [rng.randrange(100, vocab) for _ in range(turn_len)]
-            ids = [f"{turn}-{c}" for c in range(conversations)]
-            done = _drive(engine, [list(h) for h in history], params, ids)
-            for h, rid in zip(history, ids):
-                ttfts.append(done[rid][0])
-                h += done[rid][2]
-        sync(engine.device)
-        wall = time.perf_counter() - start
-        copy_s = timer.seconds()
-        m = engine.get_metrics()
-        row = {
-            "tier": "on" if offload else "off",
-            "hit_rate": (m["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"])
-            / (m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]),
-            "ttft_ms": ms_stats(ttfts),
-            "wall_s": wall,
-            "preemptions": m["num_preemptions"] - before["num_preemptions"],
-        }
-        if offload:
-            row["host_hit_rate"] = (m["prefix_cache_host_hit_tokens"] - before["prefix_cache_host_hit_tokens"]) / (
-                m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
-            )
-            row["promoted_gb"] = (m["kv_offload_bytes_to_gpu"] - before["kv_offload_bytes_to_gpu"]) / 1e9
-            row["demoted_gb"] = (m["kv_offload_bytes_to_host"] - before["kv_offload_bytes_to_host"]) / 1e9
-            row["copy_s"], row["copy_share"] = copy_s, copy_s / wall
-            row.update(_promotion_bandwidth(engine, -(-final // bs)))
+        row = _multi_turn_chats(llm.llm_engine, offload > 0, **shape)
         results[row["tier"]] = row
         _release(llm)
+    _print_multi_turn(results, final)
+    result = {
+        "conversations": conversations,
+        "turns": turns,
+        "gpu_pool_gb": pool / 1e9,
+        "working_set_gb": working_set / 1e9,
+        "off": results["off"],
+        "on": results["on"],
+    }
+    print_json("offload_multi_turn", {"model": kwargs.get("model"), **result})
+    return result
+
+
+def _multi_turn_chats(
+    engine, tier: bool, conversations, turns, first_len, turn_len, output_len, vocab, final, seed
+) -> dict:
+    """The chats on one engine (the host tier on or off): hit rates, TTFT, wall time, copies."""
+    bs = engine.config.block_size
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    rng = random.Random(seed)
+    history = [[rng.randrange(100, vocab) for _ in range(first_len - turn_len)] for _ in range(conversations)]
+    _drive(engine, [[rng.randrange(100, vocab) for _ in range(turn_len)]], params, ["warm-up"])
+    engine.reset_prefix_cache()
+    before, ttfts = engine.get_metrics(), []
+    timer = CopyTimer(engine.executor.driver.model_runner)
+    sync(engine.device)
+    start = time.perf_counter()
+    for turn in range(turns):
+        for h in history:
+            h += [rng.randrange(100, vocab) for _ in range(turn_len)]
+        ids = [f"{turn}-{c}" for c in range(conversations)]
+        done = _drive(engine, [list(h) for h in history], params, ids)
+        for h, rid in zip(history, ids):
+            ttfts.append(done[rid][0])
+            h += done[rid][2]
+    sync(engine.device)
+    wall = time.perf_counter() - start
+    copy_s = timer.seconds()
+    m = engine.get_metrics()
+    queried = m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
+    row = {
+        "tier": "on" if tier else "off",
+        "hit_rate": (m["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]) / queried,
+        "ttft_ms": ms_stats(ttfts),
+        "wall_s": wall,
+        "preemptions": m["num_preemptions"] - before["num_preemptions"],
+    }
+    if tier:
+        row["host_hit_rate"] = (m["prefix_cache_host_hit_tokens"] - before["prefix_cache_host_hit_tokens"]) / queried
+        row["promoted_gb"] = (m["kv_offload_bytes_to_gpu"] - before["kv_offload_bytes_to_gpu"]) / 1e9
+        row["demoted_gb"] = (m["kv_offload_bytes_to_host"] - before["kv_offload_bytes_to_host"]) / 1e9
+        row["copy_s"], row["copy_share"] = copy_s, copy_s / wall
+        row.update(_promotion_bandwidth(engine, -(-final // bs)))
+    return row
+
+
+def _print_multi_turn(results: dict, final: int) -> None:
     rows = list(results.values())
     print_table(
         [{**r, "ttft_mean": r["ttft_ms"]["mean"], "ttft_p99": r["ttft_ms"]["p99"]} for r in rows],
@@ -178,16 +200,6 @@ def run_multi_turn(
         f"({on['promote_gb_s']:.1f} GB/s; a pinned host-to-device copy of as many bytes: {on['h2d_gb_s']:.1f} GB/s); "
         f"the copies held the compute stream {on['copy_s']:.3f} s, {on['copy_share']:.1%} of the wall time"
     )
-    result = {
-        "conversations": conversations,
-        "turns": turns,
-        "gpu_pool_gb": pool / 1e9,
-        "working_set_gb": working_set / 1e9,
-        "off": results["off"],
-        "on": on,
-    }
-    print_json("offload_multi_turn", {"model": kwargs.get("model"), **result})
-    return result
 
 
 def _promotion_bandwidth(engine, num_blocks: int) -> dict[str, float]:

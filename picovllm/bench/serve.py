@@ -235,10 +235,22 @@ def run_serve_bench(
     ]
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = list(pool.map(_client_process, shards))
-    if probe is not None:
-        probed = probe.report()
     results = [r for shard, _ in done for r in shard]
     elapsed = max(end for _, end in done) - start_at
+    summary = _summary(results, elapsed, concurrency, request_rate, input_len, output_len, probe)
+    _report(summary, results, probe)
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(os.path.join(save_dir, "serve_results.json"), "w") as f:
+            json.dump({"summary": summary, "requests": results}, f)
+        _plot([r for r in results if r["ok"]], os.path.join(save_dir, "serve_latency.png"))
+    print_json("serve", summary)
+    return summary
+
+
+def _summary(results, elapsed, concurrency, request_rate, input_len, output_len, probe) -> dict:
+    """The run's counts, rates and latency percentiles (and the engine's, from the probe)."""
+    probed = probe.report() if probe is not None else {}
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_len"] for r in ok)
     rejected = sum(r.get("status") == 503 for r in results)  # (the server's queue was full: max_num_waiting)
@@ -259,17 +271,23 @@ def run_serve_bench(
         "ttft_ms": ms_stats([r["ttft"] for r in ok]),
         "tpot_ms": ms_stats([r["tpot"] for r in ok]),
         "itl_ms": ms_stats([x for r in ok for x in r["itl"]]),
-        **(probed if probe is not None else {}),
+        **probed,
     }
+    if probe is not None:
+        summary["engine_after"] = probe.settled()
+    return summary
+
+
+def _report(summary: dict, results: list[dict], probe: EngineProbe | None) -> None:
+    ok, elapsed = len(results) - summary["failed"], summary["seconds"]
+    rejected, server_errors = summary["rejected_503"], summary["server_errors"]
     rows = [
         {"metric": name, **summary[key]}
         for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
         if summary[key]
     ]
-    if probe is not None:
-        summary["engine_after"] = probe.settled()
     print(
-        f"{len(ok)}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
+        f"{ok}/{len(results)} requests in {elapsed:.2f} s: {summary['request_s']:.2f} req/s, "
         f"{summary['output_tok_s']:.1f} output tok/s, {summary['total_tok_s']:.1f} total tok/s; "
         f"{rejected} refused with 503 (queue full), {server_errors} other 5xx, "
         f"{summary['failed'] - rejected - server_errors} other failures"
@@ -290,13 +308,6 @@ def run_serve_bench(
             ("p99", "p99", ".2f"),
         ],
     )
-    if save_dir:
-        os.makedirs(save_dir, exist_ok=True)
-        with open(os.path.join(save_dir, "serve_results.json"), "w") as f:
-            json.dump({"summary": summary, "requests": results}, f)
-        _plot(ok, os.path.join(save_dir, "serve_latency.png"))
-    print_json("serve", summary)
-    return summary
 
 
 def _plot(results: list[dict], path: str) -> None:

@@ -162,6 +162,148 @@ async def check_instances(prefill_urls: list[str], decode_urls: list[str], secre
     return problems
 
 
+class _Router:
+    """The router's state (its pools, the HTTP session, its metrics, the secret it proves itself
+    with) and what its routes do."""
+
+    def __init__(
+        self, prefill_urls, decode_urls, kv_secret, prefill_timeout_s, decode_timeout_s, health_check_interval_s
+    ):
+        self.secret = kv_transfer_secret(kv_secret)
+        self.prefill, self.decode = _Pool(prefill_urls, "prefill"), _Pool(decode_urls, "decode")
+        self.instances = self.prefill.instances + self.decode.instances
+        self.timeouts = (prefill_timeout_s, decode_timeout_s)
+        self.health_check_interval_s = health_check_interval_s
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("router_requests", "requests by outcome", ["outcome"], registry=registry)
+        self.prefill_s = Histogram(
+            "router_prefill_seconds", "time to the prefill instance's answer", registry=registry, buckets=_BUCKETS
+        )
+        self.ttft = Histogram(
+            "router_time_to_first_byte_seconds", "time to the decode answer's first bytes", registry=registry
+        )
+        self.itl = Histogram(
+            "router_inter_chunk_seconds", "time between a streamed answer's chunks", registry=registry, buckets=_BUCKETS
+        )
+        self.session: aiohttp.ClientSession | None = None
+        self.compat: dict[str, dict] = {}  # "kv": what the instances' KV is (the first instance found up)
+        self.background: set[asyncio.Task] = set()  # (lease releases under way)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(_check(self.session, i, self.secret, self.compat) for i in self.instances))
+
+    async def _health_checks(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_check_interval_s)
+            await self.check_all()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
+        await self.check_all()
+        checks = asyncio.create_task(self._health_checks())
+        yield
+        checks.cancel()
+        await asyncio.gather(checks, *self.background, return_exceptions=True)
+        await self.session.close()
+
+    def release(self, instance: _Instance, kv: dict, headers: dict) -> None:
+        """End the prompt's lease on the prefill instance now (in the background)."""
+        body = {"request_id": kv.get("remote_request_id")}
+
+        async def post() -> None:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+                async with self.session.post(
+                    instance.url + "/kv_transfer/release", json=body, headers=headers, timeout=timeout
+                ):
+                    pass
+
+        task = asyncio.create_task(post())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def forward(self, path: str, body: dict, headers: dict):
+        start = time.perf_counter()
+        kv, holder = None, None
+        prefill_timeout_s, decode_timeout_s = self.timeouts
+        if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
+            pass  # several prompts: the decode instance prefills them itself
+        else:
+            holder, kv, refusal = await _hop(
+                self.prefill, lambda i: _prefill(self.session, i, path, body, headers, prefill_timeout_s)
+            )
+            if refusal is not None:
+                self.requests.labels("refused").inc()
+                return refusal
+            self.prefill_s.observe(time.perf_counter() - start)
+        timers = (start, self.ttft, self.itl, self.requests)
+        try:
+            _, response = await _hop(
+                self.decode, lambda i: _decode(self.session, i, path, body, kv, headers, timers, decode_timeout_s)
+            )
+        except BaseException:  # (no answer from any decode instance, or the client gone)
+            if kv is not None:
+                self.release(holder, kv, headers)
+            raise
+        if kv is not None and isinstance(response, _Relay):
+            response.on_incomplete = lambda: self.release(holder, kv, headers)
+        elif kv is not None and response.status_code != 200:
+            self.release(holder, kv, headers)  # (it refused the request: it will not pull)
+        return response
+
+    async def route(self, path: str, request: Request):
+        requests = self.requests
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            requests.labels("bad_request").inc()
+            return _error(400, "invalid JSON in the request body", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "BadRequestError")
+        if "kv_transfer_params" in body:
+            return _error(400, "kv_transfer_params are the router's to set", "BadRequestError", "kv_transfer_params")
+        headers = {**_auth(request), KV_SECRET_HEADER: self.secret}
+        try:
+            return await cancel_on_disconnect(request, self.forward(path, body, headers))
+        except _Failed as e:
+            outcome, type_ = _FAILURES[e.status]
+            requests.labels(outcome).inc()
+            return _error(e.status, str(e), type_)
+        except ClientGone:
+            requests.labels("client_gone").inc()
+            return Response(status_code=499)
+
+    async def models(self, request: Request):
+        instance = self.decode.pick() or self.decode.instances[0]
+        try:
+            async with self.session.get(instance.url + "/v1/models", headers=_auth(request)) as r:
+                return Response(await r.read(), r.status, media_type=r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return _error(502, str(_Failed(instance, f"is unreachable: {type(e).__name__}: {e}")))
+
+    async def health(self):
+        """200 while at least one instance of each role is up (checked now); 503 otherwise. The
+        body names the instances that are out, and why."""
+        await self.check_all()
+        down = [i.url for i in self.instances if not i.up]
+        why = {i.url: i.problem for i in self.instances if not i.up}
+        serving = self.prefill.pick() is not None and self.decode.pick() is not None
+        return JSONResponse({"down": down, "problems": why}, 200 if serving else 503)
+
+    async def stats(self) -> dict:
+        """Each instance's /stats (the dashboard; an instance that does not answer: its error)."""
+
+        async def one(i: _Instance) -> dict:
+            try:
+                async with self.session.get(i.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    return {"url": i.url, **(await r.json())}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                return {"url": i.url, "error": str(_Failed(i, f"is unreachable: {type(e).__name__}: {e}"))}
+
+        return {"instances": list(await asyncio.gather(*(one(i) for i in self.instances)))}
+
+
 def build_router_app(
     prefill_urls: list[str],
     decode_urls: list[str],
@@ -173,151 +315,25 @@ def build_router_app(
 ) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("the router needs at least one --prefill and one --decode instance")
-    secret = kv_transfer_secret(kv_secret)
-    prefill, decode = _Pool(prefill_urls, "prefill"), _Pool(decode_urls, "decode")
-    instances = prefill.instances + decode.instances
-    registry = CollectorRegistry()
-    requests = Counter("router_requests", "requests by outcome", ["outcome"], registry=registry)
-    prefill_s = Histogram(
-        "router_prefill_seconds", "time to the prefill instance's answer", registry=registry, buckets=_BUCKETS
-    )
-    ttft = Histogram("router_time_to_first_byte_seconds", "time to the decode answer's first bytes", registry=registry)
-    itl = Histogram(
-        "router_inter_chunk_seconds", "time between a streamed answer's chunks", registry=registry, buckets=_BUCKETS
-    )
-    session: dict[str, aiohttp.ClientSession] = {}
-    compat: dict[str, dict] = {}  # "kv": what the instances' KV is (the first instance found up)
-    background: set[asyncio.Task] = set()  # (lease releases under way)
-
-    async def check_all() -> None:
-        await asyncio.gather(*(_check(session["s"], i, secret, compat) for i in instances))
-
-    async def health_checks() -> None:
-        while True:
-            await asyncio.sleep(health_check_interval_s)
-            await check_all()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S))
-        await check_all()
-        checks = asyncio.create_task(health_checks())
-        yield
-        checks.cancel()
-        await asyncio.gather(checks, *background, return_exceptions=True)
-        await session["s"].close()
-
-    app = FastAPI(title="Pico-vLLM router", lifespan=lifespan)
-
-    def release(instance: _Instance, kv: dict, headers: dict) -> None:
-        """End the prompt's lease on the prefill instance now (in the background)."""
-        body = {"request_id": kv.get("remote_request_id")}
-
-        async def post() -> None:
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
-                async with session["s"].post(
-                    instance.url + "/kv_transfer/release", json=body, headers=headers, timeout=timeout
-                ):
-                    pass
-
-        task = asyncio.create_task(post())
-        background.add(task)
-        task.add_done_callback(background.discard)
-
-    async def forward(path: str, body: dict, headers: dict):
-        start = time.perf_counter()
-        kv, holder = None, None
-        if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
-            pass  # several prompts: the decode instance prefills them itself
-        else:
-            holder, kv, refusal = await _hop(
-                prefill, lambda i: _prefill(session["s"], i, path, body, headers, prefill_timeout_s)
-            )
-            if refusal is not None:
-                requests.labels("refused").inc()
-                return refusal
-            prefill_s.observe(time.perf_counter() - start)
-        timers = (start, ttft, itl, requests)
-        try:
-            _, response = await _hop(
-                decode, lambda i: _decode(session["s"], i, path, body, kv, headers, timers, decode_timeout_s)
-            )
-        except BaseException:  # (no answer from any decode instance, or the client gone)
-            if kv is not None:
-                release(holder, kv, headers)
-            raise
-        if kv is not None and isinstance(response, _Relay):
-            response.on_incomplete = lambda: release(holder, kv, headers)
-        elif kv is not None and response.status_code != 200:
-            release(holder, kv, headers)  # (it refused the request: it will not pull)
-        return response
-
-    async def route(path: str, request: Request):
-        try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            requests.labels("bad_request").inc()
-            return _error(400, "invalid JSON in the request body", "BadRequestError")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "BadRequestError")
-        if "kv_transfer_params" in body:
-            return _error(400, "kv_transfer_params are the router's to set", "BadRequestError", "kv_transfer_params")
-        headers = {**_auth(request), KV_SECRET_HEADER: secret}
-        try:
-            return await cancel_on_disconnect(request, forward(path, body, headers))
-        except _Failed as e:
-            outcome, type_ = _FAILURES[e.status]
-            requests.labels(outcome).inc()
-            return _error(e.status, str(e), type_)
-        except ClientGone:
-            requests.labels("client_gone").inc()
-            return Response(status_code=499)
+    router = _Router(prefill_urls, decode_urls, kv_secret, prefill_timeout_s, decode_timeout_s, health_check_interval_s)
+    app = FastAPI(title="Pico-vLLM router", lifespan=router.lifespan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await route("/v1/completions", request)
+        return await router.route("/v1/completions", request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await route("/v1/chat/completions", request)
+        return await router.route("/v1/chat/completions", request)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        instance = decode.pick() or decode.instances[0]
-        try:
-            async with session["s"].get(instance.url + "/v1/models", headers=_auth(request)) as r:
-                return Response(await r.read(), r.status, media_type=r.content_type)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return _error(502, str(_Failed(instance, f"is unreachable: {type(e).__name__}: {e}")))
-
-    @app.get("/health")
-    async def health():
-        """200 while at least one instance of each role is up (checked now); 503 otherwise. The
-        body names the instances that are out, and why."""
-        await check_all()
-        down = [i.url for i in instances if not i.up]
-        why = {i.url: i.problem for i in instances if not i.up}
-        serving = prefill.pick() is not None and decode.pick() is not None
-        return JSONResponse({"down": down, "problems": why}, 200 if serving else 503)
+    app.get("/v1/models")(router.models)
+    app.get("/health")(router.health)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def stats() -> dict:
-        """Each instance's /stats (the dashboard; an instance that does not answer: its error)."""
-
-        async def one(i: _Instance) -> dict:
-            try:
-                async with session["s"].get(i.url + "/stats", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    return {"url": i.url, **(await r.json())}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                return {"url": i.url, "error": str(_Failed(i, f"is unreachable: {type(e).__name__}: {e}"))}
-
-        return {"instances": list(await asyncio.gather(*(one(i) for i in instances)))}
-
-    mount_web_ui(app, stats, web_ui)
+    mount_web_ui(app, router.stats, web_ui)
     return app
 
 
