@@ -7,7 +7,7 @@ documentation.
     engine -> server          EngineReady; EngineCoreOutputs (a step's outputs, the engine's
                               metrics); RequestsFailed (a step that raised); EngineDead
     engine -> every rank      ExecuteStep (StepInputs), AllocateKVCache, CaptureGraphs,
-                              DescribeKV, PullKV, PollKV, Shutdown
+                              DescribeKV, PullKV, PollKV, Shutdown; StartRank (torchrun's)
     rank 0 -> engine          ModelRunnerOutput (its SamplerOutput, on the way to the host)
     rank r > 0 -> rank 0      WorkerJoining, WorkerReady, WorkerFailed; the answer of a command
                               that answers (DescribeKV, PollKV)
@@ -218,6 +218,14 @@ class ModelRunnerOutput:
 
 
 # ---- commands every rank runs ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartRank:
+    """What a rank started by torchrun takes from rank 0 before loading: the engine's options."""
+
+    engine_args: dict
+    max_model_len: int
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from picovllm.config import EngineConfig, resolve_device
 from picovllm.distributed.communicator import BroadcastChannel
 from picovllm.distributed.parallel_state import check_torchrun_world, destroy_distributed, init_distributed
 from picovllm.executor.executor import Executor
-from picovllm.messages import Shutdown, WorkerCommand
+from picovllm.messages import Shutdown, StartRank, WorkerCommand
 from picovllm.worker.worker import Worker
 
 
@@ -38,7 +38,7 @@ class ExecutorWithExternalLauncher(Executor):
             raise ValueError("a prefill or decode instance under torchrun is not supported: use -tp without torchrun")
         init_distributed(self.tp_size, 0, "nccl" if self._device().type == "cuda" else "gloo")
         self.channel = BroadcastChannel()
-        self.channel.send((dataclasses.asdict(self.config), max_model_len))
+        self.channel.send(StartRank(dataclasses.asdict(self.config), max_model_len))
         self._finalizer = weakref.finalize(self, _stop, self.channel, self._drivers)
 
     def num_kv_blocks(self) -> int:
@@ -69,8 +69,8 @@ def run_torchrun_rank(engine_args: dict) -> int:
     init_distributed(world_size, rank, "nccl" if device.type == "cuda" else "gloo")
     try:
         channel = BroadcastChannel()
-        engine_args, max_model_len = channel.recv()
-        worker = Worker(EngineConfig(**engine_args), rank, device, max_model_len)
+        start: StartRank = channel.recv()
+        worker = Worker(EngineConfig(**start.engine_args), rank, device, start.max_model_len)
         channel.min(worker.num_kv_blocks())
         worker.follow(channel.recv)
     finally:
