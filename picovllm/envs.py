@@ -1,6 +1,6 @@
 """The environment variables Pico-vLLM reads: debugging switches, each documented here. Every
 other setting is an engine option (EngineConfig, CLI flags). The model cache's location
-(PICOVLLM_CACHE, then XDG_CACHE_HOME) is read where the cache is (model/loader/builtin.py).
+(PICOVLLM_CACHE, then XDG_CACHE_HOME) is read where the cache is (model_source/builtin.py).
 
     PICOVLLM_CHECK_INVARIANTS=1  after every step, check every block's reference count, the
                                  prefix tree's locks and block conservation (slow; read when

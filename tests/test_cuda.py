@@ -22,7 +22,7 @@ from hf_reference import assert_greedy_match, hf_greedy
 from picovllm import LLM, SamplingParams
 from picovllm.engine.step_launcher import step_inputs
 from picovllm.messages import SamplerOutput
-from picovllm.model.loader.builtin import DUMMY_CONFIGS
+from picovllm.model_source.builtin import DUMMY_CONFIGS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

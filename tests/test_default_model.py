@@ -35,7 +35,7 @@ def test_greedy_matches_transformers_on_converted_weights(default_llm):
     from transformers import AutoModelForCausalLM
 
     from picovllm import SamplingParams
-    from picovllm.model.loader.builtin import DEFAULT_MODEL, ensure_builtin
+    from picovllm.model_source.builtin import DEFAULT_MODEL, ensure_builtin
 
     hf = AutoModelForCausalLM.from_pretrained(ensure_builtin(DEFAULT_MODEL), dtype=torch.bfloat16).eval()
     tok = default_llm.get_tokenizer()

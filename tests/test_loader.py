@@ -95,7 +95,7 @@ def test_smollm2_gguf_llama_architecture():
 
 
 def test_missing_builtin_wheel_names_the_pip_command(monkeypatch, tmp_path):
-    from picovllm.model.loader import builtin
+    from picovllm.model_source import builtin
 
     monkeypatch.setenv("PICOVLLM_CACHE", str(tmp_path))
     monkeypatch.setitem(

@@ -28,7 +28,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, out: str) -> None:
     from picovllm.distributed.parallel_state import destroy_distributed, get_tp_size, init_distributed
     from picovllm.engine.block_manager import BlockManager
     from picovllm.messages import StepInputs
-    from picovllm.model.loader.model_loader import load_model, resolve_model
+    from picovllm.model.loader.model_loader import load_model
+    from picovllm.model_source import resolve_model
     from picovllm.worker.inputs import Uploader, build_eager
     from picovllm.worker.model_runner import allocate_kv_pool
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from picovllm.config import resolve_device, resolve_dtype
-from picovllm.model.loader.model_loader import resolve_model
+from picovllm.model_source import resolve_model
 
 
 class HFRunner:

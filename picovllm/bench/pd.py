@@ -116,7 +116,7 @@ def _transfer_line(path: str, t: dict) -> str:
 
 
 def _vocab_size(engine_kwargs: dict) -> int:
-    from picovllm.model.loader.model_loader import resolve_model
+    from picovllm.model_source import resolve_model
 
     return resolve_model(engine_kwargs["model"])[0].vocab_size
 

@@ -24,7 +24,7 @@ from picovllm.engine.scheduler import Scheduler
 from picovllm.engine.stats import engine_stats
 from picovllm.engine.step_launcher import StepLauncher
 from picovllm.executor.executor import Executor, WorkerError
-from picovllm.model.loader.model_loader import resolve_model
+from picovllm.model_source import resolve_model
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 

@@ -79,7 +79,7 @@ def _prompt_ids(kwargs: dict, prompts: list[str], params, chat: bool) -> list[di
     again against what its KV cache holds."""
     from picovllm.config import EngineConfig, resolve_max_model_len
     from picovllm.engine.input_processor import load_tokenizer, process_prompt, tokenizer_source
-    from picovllm.model.loader.model_loader import resolve_model
+    from picovllm.model_source import resolve_model
 
     config = EngineConfig(**kwargs)
     config.validate()
@@ -216,7 +216,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
     from picovllm.entrypoints.openai.server import build_app
-    from picovllm.model.loader.builtin import DEFAULT_MODEL
+    from picovllm.model_source.builtin import DEFAULT_MODEL
     from picovllm.sampling_params import SamplingParams
 
     args.model = args.model_tag or args.model
@@ -273,7 +273,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS, is_installed
+    from picovllm.model_source.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS, is_installed
 
     for name, m in BUILTIN_MODELS.items():
         state = "installed" if is_installed(name) else f"not installed: {m.install}"

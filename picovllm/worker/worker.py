@@ -25,7 +25,7 @@ from picovllm.messages import (
     WorkerCommand,
     answers,
 )
-from picovllm.model.loader.model_loader import resolve_model
+from picovllm.model_source import resolve_model
 from picovllm.worker.model_runner import ModelRunner
 from picovllm.worker.sampler import to_device
 

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess, RequestStream
 from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from picovllm.model.loader.builtin import cache_root
+from picovllm.model_source.builtin import cache_root
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 

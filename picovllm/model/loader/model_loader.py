@@ -1,5 +1,5 @@
-"""Resolve a model name or path to a config and a weights directory, and load it straight into
-the target dtype and device."""
+"""Load a model (its config and weights directory from model_source/) straight into the target
+dtype and device: its checkpoint's tensors, or random ones of its shapes."""
 
 from __future__ import annotations
 
@@ -16,43 +16,7 @@ from torch import nn
 
 from picovllm.config import ModelConfig
 from picovllm.model.layers.linear import default_weight_loader
-from picovllm.model.loader.builtin import BUILTIN_MODELS, DEFAULT_MODEL, DUMMY_CONFIGS, ensure_builtin, ensure_gguf
 from picovllm.model.registry import MODEL_REGISTRY
-
-
-def resolve_model(model: str | None) -> tuple[ModelConfig, str | None]:
-    """Return (config, directory) for a path, a .gguf file, a built-in name or 'dummy:SHAPE'.
-    The directory is None for dummy models (random weights, no tokenizer)."""
-    model = model or DEFAULT_MODEL
-    if model.startswith("dummy:"):
-        shape = model.removeprefix("dummy:")
-        if shape not in DUMMY_CONFIGS:
-            raise ValueError(f"unknown dummy model shape {shape!r}; known: {', '.join(DUMMY_CONFIGS)}")
-        return ModelConfig.from_dict(DUMMY_CONFIGS[shape]), None
-    if model in BUILTIN_MODELS:
-        path = ensure_builtin(model)
-    elif os.path.isfile(model) and model.endswith(".gguf"):
-        path = ensure_gguf(model)
-    elif os.path.isdir(model):
-        path = model
-        ggufs = glob.glob(os.path.join(path, "*.gguf"))
-        if not os.path.isfile(os.path.join(path, "config.json")) and len(ggufs) == 1:
-            path = ensure_gguf(ggufs[0])
-    else:
-        raise ValueError(
-            f"model {model!r} not found: it is not a local directory, a .gguf file, a built-in model "
-            f"({', '.join(BUILTIN_MODELS)}) or dummy:SHAPE ({', '.join(DUMMY_CONFIGS)}). "
-            "Pico-vLLM never downloads from a model hub."
-        )
-    cfg = ModelConfig.from_dir(path)
-    gen_path = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(cfg.eos_token_ids)
-            cfg = ModelConfig.from_dict({**cfg.hf_config, "eos_token_id": sorted(eos_ids)})
-    return cfg, path
 
 
 def _weight_files(path: str) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from picovllm.model.loader.gguf_loader import convert_gguf
+from picovllm.model_source.gguf import convert_gguf
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
