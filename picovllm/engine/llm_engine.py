@@ -262,10 +262,9 @@ class LLMEngine:
         return self.scheduler.cache.num_cached_blocks == 0
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (also done when the engine is collected, and at exit)."""
+        """Stop every rank (also done when the engine is collected, and at exit, with several):
+        each frees its graphs and closes its KV transfer (Worker.shutdown)."""
         self.executor.shutdown()
-        if self.kv_handoff is not None:
-            self.kv_handoff.transfer.close()
 
     def get_metrics(self) -> dict[str, int]:
         """The engine's counters and gauges (engine/stats.py)."""

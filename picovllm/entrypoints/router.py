@@ -172,7 +172,7 @@ class _Router:
         self.secret = kv_transfer_secret(kv_secret)
         self.prefill, self.decode = _Pool(prefill_urls, "prefill"), _Pool(decode_urls, "decode")
         self.instances = self.prefill.instances + self.decode.instances
-        self.timeouts = (prefill_timeout_s, decode_timeout_s)
+        self.prefill_timeout_s, self.decode_timeout_s = prefill_timeout_s, decode_timeout_s
         self.health_check_interval_s = health_check_interval_s
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("router_requests", "requests by outcome", ["outcome"], registry=registry)
@@ -226,12 +226,11 @@ class _Router:
     async def forward(self, path: str, body: dict, headers: dict):
         start = time.perf_counter()
         kv, holder = None, None
-        prefill_timeout_s, decode_timeout_s = self.timeouts
         if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
             pass  # several prompts: the decode instance prefills them itself
         else:
             holder, kv, refusal = await _hop(
-                self.prefill, lambda i: _prefill(self.session, i, path, body, headers, prefill_timeout_s)
+                self.prefill, lambda i: _prefill(self.session, i, path, body, headers, self.prefill_timeout_s)
             )
             if refusal is not None:
                 self.requests.labels("refused").inc()
@@ -240,7 +239,7 @@ class _Router:
         timers = (start, self.ttft, self.itl, self.requests)
         try:
             _, response = await _hop(
-                self.decode, lambda i: _decode(self.session, i, path, body, kv, headers, timers, decode_timeout_s)
+                self.decode, lambda i: _decode(self.session, i, path, body, kv, headers, timers, self.decode_timeout_s)
             )
         except BaseException:  # (no answer from any decode instance, or the client gone)
             if kv is not None:

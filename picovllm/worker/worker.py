@@ -68,8 +68,6 @@ class Worker:
                 return runner.kv_transfer.pull(pull_id, remote, remote_blocks, local_blocks, after)
             case PollKV():
                 return runner.kv_transfer.poll()
-            case Shutdown():
-                return self.shutdown()
         raise TypeError(f"not a worker command: {cmd!r}")
 
     def execute_step(self, cmd: ExecuteStep, sampling: SamplingBatch | None = None) -> ModelRunnerOutput | None:
