@@ -101,7 +101,11 @@ def _stored(driver) -> list[dict]:
 
 
 def _counter(driver, key: str) -> float:
-    text = driver.find_element(By.CSS_SELECTOR, f".card[data-key={key}] .value").text
+    # One script reads the card: the dashboard redraws its cards each poll, so an element
+    # found in one call may be gone (stale) by the next.
+    text = driver.execute_script(
+        "return document.querySelector(arguments[0]).innerText", f".card[data-key={key}] .value"
+    )
     return float(text.replace("–", "nan"))
 
 
@@ -137,7 +141,8 @@ def test_the_dashboard_counters_move(servers, browser):
     httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 7}, timeout=60)
     _wait(browser, lambda d: _counter(d, "requests") == before[1] + 1)
     assert _counter(browser, "tokens") == before[0] + 7
-    assert browser.find_element(By.CSS_SELECTOR, ".card[data-key=host] .value").text == "off"
+    host = browser.execute_script("return document.querySelector('.card[data-key=host] .value').innerText")
+    assert host == "off"
     assert len(browser.find_elements(By.CSS_SELECTOR, ".chart canvas")) == 4
     _screenshot(browser, "dashboard-desktop")
     browser.set_window_size(390, 844)  # a phone
