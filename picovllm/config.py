@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import torch
 
@@ -130,98 +134,155 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+KVRole = Literal["prefill", "decode", "both"]  # disaggregated prefill (engine/kv_handoff.py)
+KVTransferMode = Literal["async", "sync"]
+KVTransferBackend = Literal["auto", "nixl"]
+PreemptionMode = Literal["recompute", "swap"]
+LoadFormat = Literal["auto", "dummy"]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A number's range: [low, high], or (low, high] with low_open."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        return not below and (self.high is None or value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"must be {'>' if self.low_open else '>='} {self.low}"
+        return f"must be in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+
+
+def option(default, help: str | None = None, *, bounds: Bounds | None = None, flags: tuple = (), scope="engine"):
+    """An EngineConfig field, declared with everything its checks and its command-line flag need:
+    help (None: not on the command line), bounds (a number's), flags (default: --the-name),
+    scope ("engine": every command's; "serve": the server's alone). entrypoints/args.py builds
+    the parser from these, docs/options.md is made from them, EngineConfig.validate checks them."""
+    return field(default=default, metadata={"help": help, "bounds": bounds, "flags": flags, "scope": scope})
+
+
 @dataclass
 class EngineConfig:
-    """Everything the engine needs besides the model weights. Names follow vLLM's EngineArgs."""
+    """Everything the engine needs besides the model weights. Names follow vLLM's EngineArgs;
+    each field's option() is its one declaration (type, range, help, flag)."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = (
-        None  # bytes for the KV pool; set, it overrides gpu_memory_utilization (default on CPU: 2 GiB)
+    model: str | None = option(
+        None,
+        "a local Hugging Face directory, a .gguf file, a built-in model name (see `picovllm models`) or "
+        "dummy:SHAPE for random weights (default: qwen2.5-coder-0.5b-instruct)",
+        flags=("--model", "-m"),
     )
-    num_gpu_blocks_override: int | None = None
-    load_format: str = "auto"  # 'auto' or 'dummy' (random weights, for benchmarks)
-    skip_tokenizer_init: bool = False
-    enable_prefix_caching: bool = True
-    # Prompts longer than what a step's token budget has left are prefilled over several steps,
-    # mixed with the decodes of running requests (vLLM's default).
-    enable_chunked_prefill: bool = True
-    # CUDA graphs for decode are captured at start-up (GPU only) unless this is set, as in vLLM.
-    enforce_eager: bool = False
-    # Steps with prompt tokens of up to this many tokens replay CUDA graphs too (token counts 16,
-    # 32, ... up to it, like vLLM's capture sizes up to 512); 0: they run eagerly
-    # (worker/cuda_graph.py).
-    mixed_graph_tokens: int = 512
-    # Launch each step before the previous one's tokens are read (on the device), so the
-    # host's work overlaps the GPU's (vLLM's --async-scheduling); outputs are the same.
-    async_scheduling: bool = True
-    # Ranks the model is split over (Megatron: attention heads and MLP columns; one all-reduce
-    # after each), each a process on its own GPU (or CPU); rank 0 is the engine's process.
-    tensor_parallel_size: int = 1
-    # Disaggregated prefill (engine/kv_handoff.py): "prefill" computes prompts and holds their KV
-    # blocks for a decode instance to pull; "decode" pulls a prompt's KV before decoding it; "both"
-    # does everything itself. kv_transfer_mode: "async" overlaps transfers with other work, "sync"
-    # admits nothing new while one is pending. A prefill instance frees blocks nobody pulled or
-    # renewed for kv_lease_s seconds; a decode instance gives up on a pull (and prefills the
-    # prompt itself) after kv_pull_timeout_s.
-    kv_role: str = "both"
-    kv_transfer_mode: str = "async"
-    kv_lease_s: float = 30.0
-    kv_pull_timeout_s: float = 10.0
-    # "auto": a decode instance copies through CUDA IPC from a prefill instance whose pool is on a
-    # GPU of the same machine, else over NIXL; "nixl": always over NIXL
-    kv_transfer_backend: str = "auto"
-    # Bytes of host memory (per rank) for a second tier of the KV cache (engine/prefix_cache.py):
-    # blocks the prefix cache evicts from the GPU are demoted there and promoted back on a hit;
-    # 0: off. preemption_mode "swap" (vLLM's) moves a preempted request's blocks there and back
-    # instead of recomputing them ("recompute", the default).
-    kv_offload_memory: int = 0
-    preemption_mode: str = "recompute"
+    tokenizer: str | None = option(None)  # (default: the model's)
+    dtype: str = option("auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's)")
+    device: str = option("auto", "auto, cpu or cuda (auto: cuda when available)")
+    seed: int = option(0)  # (the command line's is the sampling option --seed)
+    block_size: int = option(16, "tokens per KV-cache block", bounds=Bounds(1))
+    max_num_seqs: int = option(256, "most requests in a batch", bounds=Bounds(1))
+    max_model_len: int | None = option(
+        None, "longest prompt + output, in tokens (default: the model's, or what the KV cache holds)", bounds=Bounds(1)
+    )
+    max_num_batched_tokens: int | None = option(
+        None,
+        f"token budget of a step, decodes and prefill chunks together (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        bounds=Bounds(1),
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        "this instance's fraction of GPU memory, for weights, activations and KV cache (instances sharing a "
+        "GPU: fractions that add up to at most 1)",
+        bounds=Bounds(0, 1, low_open=True),
+    )
+    kv_cache_memory: int | None = option(
+        None, "bytes of KV cache; overrides --gpu-memory-utilization (default on CPU: 2 GiB)", bounds=Bounds(1)
+    )
+    num_gpu_blocks_override: int | None = option(None, bounds=Bounds(1))
+    load_format: LoadFormat = option("auto")  # 'dummy': random weights, for benchmarks
+    skip_tokenizer_init: bool = option(False)
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV of prompts' shared prefixes (--no-prefix-caching: off)", flags=("--no-prefix-caching",)
+    )
+    enable_chunked_prefill: bool = option(
+        True, "prefill long prompts over several steps, mixed with the decodes of running requests"
+    )
+    enforce_eager: bool = option(
+        False, "run every step eagerly instead of replaying CUDA graphs captured at start-up (GPU only)"
+    )
+    mixed_graph_tokens: int = option(
+        512,
+        "replay steps with prompt tokens of up to this many tokens from CUDA graphs too (token counts 16, 32, "
+        "...; 0: they run eagerly)",
+        bounds=Bounds(0, 8192),
+    )
+    async_scheduling: bool = option(
+        True,
+        "launch each step before the previous one's tokens are read (on the device), so the host's work "
+        "overlaps the GPU's; outputs are the same",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "split the model over this many GPUs (or CPU processes), one process each; rank 0 is the engine's",
+        bounds=Bounds(1),
+        flags=("--tensor-parallel-size", "-tp"),
+    )
+    kv_role: KVRole = option(
+        "both",
+        "disaggregated serving (behind `picovllm router`): prefill computes prompts and holds their KV for a "
+        "decode instance to pull; decode pulls it and generates; both does everything",
+        flags=("--role",),
+        scope="serve",
+    )
+    kv_transfer_mode: KVTransferMode = option(
+        "async",
+        "async: transfers overlap other work; sync: nothing new is admitted while one is pending",
+        scope="serve",
+    )
+    kv_lease_s: float = option(
+        30.0,
+        "a prefill instance frees KV blocks that no decode instance pulled or renewed for this many seconds",
+        bounds=Bounds(0, low_open=True),
+        scope="serve",
+    )
+    kv_pull_timeout_s: float = option(
+        10.0,
+        "a decode instance gives up on a KV pull after this many seconds and prefills the prompt itself",
+        bounds=Bounds(0, low_open=True),
+        scope="serve",
+    )
+    kv_transfer_backend: KVTransferBackend = option(
+        "auto",
+        "auto: a decode instance copies through CUDA IPC from a prefill instance on a GPU of the same machine, "
+        "else over NIXL; nixl: always over NIXL",
+        scope="serve",
+    )
+    kv_offload_memory: int = option(
+        0,
+        "bytes of host memory (per rank) for a second tier of the KV cache: the prefix cache demotes what it "
+        "evicts from the GPU there and promotes it back on a hit (0: off)",
+        bounds=Bounds(0),
+    )
+    preemption_mode: PreemptionMode = option(
+        "recompute",
+        "a preempted request's KV: recomputed when it resumes, or swapped to the host tier and back (needs "
+        "--kv-offload-memory)",
+    )
 
     def validate(self) -> None:
+        """Each field against its type and bounds, then the options that depend on each other."""
+        for f in fields(self):
+            problem = field_problem(f, getattr(self, f.name))
+            if problem is not None:
+                raise ValueError(f"{f.name} {problem}, got {getattr(self, f.name)!r}")
+
         def need(cond: bool, name: str, msg: str) -> None:
             if not cond:
                 raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
 
-        need(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
-        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
-        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
-        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
-        need(
-            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
-            "num_gpu_blocks_override",
-            "must be >= 1",
-        )
-        need(isinstance(self.async_scheduling, bool), "async_scheduling", "must be True or False")
-        need(
-            isinstance(self.mixed_graph_tokens, int) and 0 <= self.mixed_graph_tokens <= 8192,
-            "mixed_graph_tokens",
-            "must be an integer in [0, 8192]",
-        )
-        need(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
-        need(
-            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-            "tensor_parallel_size",
-            "must be an integer >= 1",
-        )
-        need(self.kv_role in ("prefill", "decode", "both"), "kv_role", "must be 'prefill', 'decode' or 'both'")
-        need(self.kv_transfer_mode in ("async", "sync"), "kv_transfer_mode", "must be 'async' or 'sync'")
-        need(self.kv_lease_s > 0, "kv_lease_s", "must be > 0")
-        need(self.kv_pull_timeout_s > 0, "kv_pull_timeout_s", "must be > 0")
-        need(self.kv_transfer_backend in ("auto", "nixl"), "kv_transfer_backend", "must be 'auto' or 'nixl'")
-        need(
-            isinstance(self.kv_offload_memory, int) and self.kv_offload_memory >= 0, "kv_offload_memory", "must be >= 0"
-        )
-        need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be 'recompute' or 'swap'")
         need(
             self.preemption_mode == "recompute" or self.kv_offload_memory > 0,
             "preemption_mode",
@@ -232,6 +293,46 @@ class EngineConfig:
             "kv_offload_memory",
             "is not supported on a prefill or decode instance (kv_role 'both' only)",
         )
+
+
+def field_type(f) -> tuple[object, bool]:
+    """(an EngineConfig field's type, whether None is allowed): int, float, bool, str, or a Literal."""
+    hint = _hints()[f.name]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union or isinstance(hint, types.UnionType):
+        return next(a for a in args if a is not type(None)), type(None) in args
+    return hint, False
+
+
+@functools.cache
+def _hints() -> dict:
+    return typing.get_type_hints(EngineConfig)
+
+
+def choices(kind) -> tuple | None:
+    """A Literal's values (None for other types)."""
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+
+
+def field_problem(f, value) -> str | None:
+    """What is wrong with value for EngineConfig field f ("must be ..."), or None."""
+    kind, optional = field_type(f)
+    if value is None:
+        return None if optional else "must be set"
+    if (values := choices(kind)) is not None:
+        names = [repr(v) for v in values]
+        said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        return None if value in values else f"must be {said}"
+    if kind is bool:
+        return None if isinstance(value, bool) else "must be True or False"
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return "must be an integer"
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return "must be a number"
+    if kind is str and not isinstance(value, str):
+        return "must be a string"
+    bounds = f.metadata.get("bounds")
+    return None if bounds is None or bounds.admits(value) else str(bounds)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -1,6 +1,7 @@
 """The picovllm command line on a tiny model."""
 
 import io
+import re
 import sys
 
 import pytest
@@ -19,6 +20,41 @@ def test_help_lists_commands_and_options(capsys):
         main(["generate", "--help"])
     text = capsys.readouterr().out
     assert all(f in text for f in ("--max-tokens", "--temperature", "--top-p", "--seed", "--model", "--dtype"))
+
+
+def test_engine_options_are_declared_once(capsys):
+    """EngineConfig's declarations make the parser (flag, default, type, range, choices) and
+    docs/options.md; the config's own checks say the same as the parser's."""
+    from pathlib import Path
+
+    from picovllm.config import EngineConfig
+    from picovllm.entrypoints.args import engine_kwargs, options_markdown
+    from picovllm.entrypoints.cli import build_parser
+
+    docs = Path(__file__).parent.parent / "docs" / "options.md"
+    assert docs.read_text() == options_markdown(), "run: python -m picovllm.entrypoints.args > docs/options.md"
+    args = build_parser().parse_args(
+        ["serve", "--role", "decode", "-tp", "2", "--no-prefix-caching", "--kv-lease-s", "5"]
+    )
+    kwargs = engine_kwargs(args)
+    assert kwargs["kv_role"] == "decode" and kwargs["tensor_parallel_size"] == 2 and kwargs["kv_lease_s"] == 5.0
+    assert kwargs["enable_prefix_caching"] is False and kwargs["max_num_seqs"] == 256 and kwargs["async_scheduling"]
+    assert "kv_role" not in engine_kwargs(build_parser().parse_args(["generate", "hi"]))  # (serve's alone)
+    EngineConfig(**kwargs).validate()
+    for flag, field, value in [
+        ("--kv-lease-s", "kv_lease_s", 0.0),
+        ("--mixed-graph-tokens", "mixed_graph_tokens", 9000),
+    ]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", flag, str(value)])
+        said = capsys.readouterr().err.split("out of range: ")[1].strip()
+        with pytest.raises(ValueError, match=f"^{field} {re.escape(said)}, got {value}"):
+            EngineConfig(**{field: value}).validate()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--role", "middle"])
+    assert "invalid choice: 'middle'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_role must be 'prefill', 'decode' or 'both', got 'middle'"):
+        EngineConfig(kv_role="middle").validate()
 
 
 def test_generate_prompts_and_file(tiny_qwen, tmp_path, capsys):

@@ -5,34 +5,33 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import fields
 
+from picovllm.config import Bounds, EngineConfig, choices, field_type
 from picovllm.sampling_params import SamplingParams
 
 
-def _number(
-    kind: type, low: float | None = None, high: float | None = None, low_open: bool = False, what: str = ""
-) -> Callable[[str], int | float]:
-    """An argparse type: a number of this kind within [low, high] ((low, high] with low_open)."""
+def _number(kind: type, bounds: Bounds, what: str = "") -> Callable[[str], int | float]:
+    """An argparse type: a number of this kind within bounds (what: the message when it is not)."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        below = low is not None and (value <= low if low_open else value < low)
-        if below or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: {what}")
+        if not bounds.admits(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what or bounds}")
         return value
 
     return parse
 
 
-positive_int = _number(int, 1, what="must be >= 1")
-non_negative_int = _number(int, 0, what="must be >= 0")
-port = _number(int, 1, 65535, what="a port is 1-65535")
-fraction = _number(float, 0.0, 1.0, low_open=True, what="must be in (0, 1]")
-non_negative_float = _number(float, 0.0, what="must be >= 0")
-positive_float = _number(float, 0.0, low_open=True, what="must be > 0")
+positive_int = _number(int, Bounds(1))
+non_negative_int = _number(int, Bounds(0))
+port = _number(int, Bounds(1, 65535), what="a port is 1-65535")
+fraction = _number(float, Bounds(0, 1, low_open=True))
+non_negative_float = _number(float, Bounds(0))
+positive_float = _number(float, Bounds(0, low_open=True))
 
 # (flag, SamplingParams field, type, help)
 SAMPLING_FLAGS = [
@@ -44,13 +43,13 @@ SAMPLING_FLAGS = [
     (
         "--min-p",
         "min_p",
-        _number(float, 0.0, 1.0, what="must be in [0, 1]"),
+        _number(float, Bounds(0, 1)),
         "drop tokens below min_p times the most likely token's probability",
     ),
     (
         "--repetition-penalty",
         "repetition_penalty",
-        _number(float, 0.0, low_open=True, what="must be > 0"),
+        positive_float,
         "penalise tokens already in the prompt or output (1: off)",
     ),
     ("--presence-penalty", "presence_penalty", float, "penalise tokens already in the output (0: off)"),
@@ -61,89 +60,41 @@ SAMPLING_FLAGS = [
 ]
 
 
-def engine_parser() -> argparse.ArgumentParser:
+def engine_parser(scope: str = "engine") -> argparse.ArgumentParser:
+    """EngineConfig's options of this scope ("engine": every command's; "serve": the server's),
+    from their declarations (config.option)."""
     p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("engine options")
-    g.add_argument(
-        "--model",
-        "-m",
-        default=None,
-        help="a local Hugging Face directory, a .gguf file, a built-in model name (see `picovllm "
-        "models`) or dummy:SHAPE for random weights; default: qwen2.5-coder-0.5b-instruct",
-    )
-    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: the checkpoint's)")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: cuda when available)")
-    g.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + output, in tokens")
-    g.add_argument("--max-num-seqs", type=positive_int, default=256, help="most requests in a batch")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=None,
-        help="token budget of a step, decodes and prefill chunks together (default 8192)",
-    )
-    g.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="prefill long prompts over several steps, mixed with decodes",
-    )
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="launch each step before the previous one's tokens are read (default: on)",
-    )
-    g.add_argument(
-        "--mixed-graph-tokens",
-        type=_number(int, 0, 8192, what="must be in [0, 8192]"),
-        default=512,
-        help="replay steps with prompt tokens of up to this many tokens from CUDA graphs too (0: eager)",
-    )
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
-    g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=positive_int,
-        default=1,
-        help="split the model over this many GPUs (or CPU processes), one process each",
-    )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=fraction,
-        default=0.9,
-        help="this instance's fraction of GPU memory, for weights, activations and KV cache "
-        "(instances sharing a GPU: fractions that add up to at most 1)",
-    )
-    g.add_argument(
-        "--kv-cache-memory",
-        type=positive_int,
-        default=None,
-        help="bytes of KV cache; overrides --gpu-memory-utilization (default on CPU: 2 GiB)",
-    )
-    g.add_argument(
-        "--kv-offload-memory",
-        type=_number(int, 0, what="must be >= 0"),
-        default=0,
-        help="bytes of host memory for a second tier of the KV cache: the prefix cache demotes what "
-        "it evicts from the GPU there and promotes it back on a hit (0: off)",
-    )
-    g.add_argument(
-        "--preemption-mode",
-        choices=["recompute", "swap"],
-        default="recompute",
-        help="a preempted request's KV: recomputed when it resumes, or swapped to the host tier and "
-        "back (needs --kv-offload-memory)",
-    )
-    g.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run every step eagerly instead of replaying CUDA graphs captured at start-up (GPU only)",
-    )
-    g.add_argument(
-        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help="turn prefix caching off"
-    )
+    g = p.add_argument_group("engine options" if scope == "engine" else "disaggregated serving")
+    for f in engine_options(scope):
+        g.add_argument(*flags(f), dest=f.name, **_argument(f))
     return p
+
+
+def engine_options(scope: str | None = None) -> list:
+    """EngineConfig's fields that are command-line options (of one scope, or all)."""
+    return [f for f in fields(EngineConfig) if f.metadata["help"] and scope in (None, f.metadata["scope"])]
+
+
+def flags(f) -> tuple[str, ...]:
+    return f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
+
+
+def _argument(f) -> dict:
+    """add_argument's keywords for an EngineConfig field (its type, range and choices checked as
+    the command line is parsed)."""
+    kind, _ = field_type(f)
+    help_ = f.metadata["help"]
+    if kind is bool:
+        if flags(f)[0].startswith("--no-"):
+            return dict(action="store_false", help=help_)
+        return dict(action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+    if f.default is not None:
+        help_ += f" (default: {f.default})"
+    if (values := choices(kind)) is not None:
+        return dict(choices=list(values), default=f.default, help=help_)
+    bounds = f.metadata["bounds"]
+    typ = kind if bounds is None else _number(kind, bounds)
+    return dict(type=typ, default=f.default, help=help_)
 
 
 def sampling_parser() -> argparse.ArgumentParser:
@@ -174,30 +125,10 @@ def max_num_waiting(args: argparse.Namespace) -> int:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_offload_memory=args.kv_offload_memory,
-        preemption_mode=args.preemption_mode,
-        enforce_eager=args.enforce_eager,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        mixed_graph_tokens=args.mixed_graph_tokens,
-        async_scheduling=args.async_scheduling,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    """The EngineConfig options a command's parser has (serve's include its own scope's)."""
+    kwargs = {f.name: getattr(args, f.name) for f in engine_options() if hasattr(args, f.name)}
     if getattr(args, "seed", None) is not None:
         kwargs["seed"] = args.seed
-    for name in ("kv_role", "kv_transfer_mode", "kv_lease_s", "kv_pull_timeout_s", "kv_transfer_backend"):  # (serve's)
-        if hasattr(args, name):
-            kwargs[name] = getattr(args, name)
     return kwargs
 
 
@@ -213,3 +144,33 @@ def sampling_values(args: argparse.Namespace) -> dict:
 
 def sampling_params(args: argparse.Namespace, **defaults) -> SamplingParams:
     return SamplingParams(**{**defaults, **sampling_values(args)})
+
+
+def options_markdown() -> str:
+    """docs/options.md: the engine's options as a table (`python -m picovllm.entrypoints.args`
+    writes it; a test keeps it equal to this)."""
+    lines = [
+        "# Engine options",
+        "",
+        "Made from `EngineConfig` (picovllm/config.py) by `python -m picovllm.entrypoints.args > docs/options.md`.",
+        "Each is a keyword of `LLM(...)` and a flag of every command (those under *serve* of `picovllm serve`",
+        "alone); numbers and choices are checked as the command line is parsed, and again by the engine.",
+        "",
+        "| option | flag | default | |",
+        "|---|---|---|---|",
+    ]
+    for f in engine_options():
+        kind, _ = field_type(f)
+        values = choices(kind)
+        names = list(flags(f))
+        if kind is bool and not names[0].startswith("--no-"):
+            names.append("--no-" + names[0][2:])
+        flag = ", ".join(f"`{x}`" for x in names) + (f" `{{{','.join(values)}}}`" if values else "")
+        where = " (serve)" if f.metadata["scope"] == "serve" else ""
+        default = "" if f.default is None else f"`{f.default}`"
+        lines.append(f"| `{f.name}` | {flag}{where} | {default} | {f.metadata['help']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        parents=[engine, sampling, queue_parser()],
+        parents=[engine, engine_parser("serve"), sampling, queue_parser()],
         help="OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics, /tokenize and /detokenize. Sampling options set the defaults "
@@ -347,39 +347,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-frontend-multiprocessing",
         action="store_true",
         help="run the engine on a thread of the server's process, not in a process of its own",
-    )
-    serve.add_argument(
-        "--role",
-        dest="kv_role",
-        default="both",
-        choices=["prefill", "decode", "both"],
-        help="disaggregated serving (behind `picovllm router`): prefill computes prompts and holds their KV "
-        "for a decode instance to pull; decode pulls it and generates; both (default) does everything",
-    )
-    serve.add_argument(
-        "--kv-transfer-mode",
-        default="async",
-        choices=["async", "sync"],
-        help="async (default): transfers overlap other work; sync: nothing new is admitted while one is pending",
-    )
-    serve.add_argument(
-        "--kv-lease-s",
-        type=positive_float,
-        default=30.0,
-        help="a prefill instance frees KV blocks that no decode instance pulled or renewed for this many seconds (30)",
-    )
-    serve.add_argument(
-        "--kv-pull-timeout-s",
-        type=positive_float,
-        default=10.0,
-        help="a decode instance gives up on a KV pull after this many seconds and prefills the prompt itself (10)",
-    )
-    serve.add_argument(
-        "--kv-transfer-backend",
-        default="auto",
-        choices=["auto", "nixl"],
-        help="auto (default): a decode instance copies through CUDA IPC from a prefill instance on a GPU of the "
-        "same machine, else over NIXL; nixl: always over NIXL",
     )
     serve.add_argument("--kv-transfer-secret", default=None, metavar="SECRET", help=_KV_SECRET_HELP)
     serve.set_defaults(func=_cmd_serve, parser=serve)
