@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ class AddRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class EngineCoreOutput(NamedTuple):
     completions: list[CompletionDelta]
     finished: bool
     num_cached_tokens: int
-    kv_transfer_params: dict | None
+    kv_transfer_params: KVTransferParams | None
 
     @classmethod
     def of(cls, out: RequestOutput) -> EngineCoreOutput:

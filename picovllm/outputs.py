@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from picovllm.kv_transfer_params import KVTransferParams
+
 
 @dataclass
 class Logprob:
@@ -39,4 +41,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
-    kv_transfer_params: dict | None = None  # a prefill instance's: where a decode instance pulls the KV
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's: where a decode instance pulls the KV

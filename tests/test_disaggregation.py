@@ -12,6 +12,7 @@ need_nixl()
 
 
 from picovllm import LLMEngine, SamplingParams  # noqa: E402
+from picovllm.kv_transfer_params import KVTransferParams  # noqa: E402
 
 PROMPTS = [list(range(10 + i, 10 + i + n)) for i, n in enumerate([5, 16, 17, 40, 33])]
 
@@ -22,7 +23,7 @@ def _engine(path, **kwargs) -> LLMEngine:
     return LLMEngine.from_engine_args(**kwargs)
 
 
-def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams, dict | None]]) -> dict:
+def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams, KVTransferParams | None]]) -> dict:
     for rid, ids, params, kv in requests:
         engine.add_validated_request(rid, None, ids, params, kv)
     outs = {}
@@ -34,9 +35,9 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams,
 def _disaggregated(prefill, decode, prompts, params, prefix="r"):
     """Each prompt through the prefill instance (max_tokens 1), then the decode instance."""
     first = SamplingParams(temperature=0, max_tokens=1)
-    held = _run(prefill, [(f"{prefix}{i}", p, first, {"do_remote_decode": True}) for i, p in enumerate(prompts)])
+    held = _run(prefill, [(f"{prefix}{i}", p, first, DO_REMOTE_DECODE) for i, p in enumerate(prompts)])
     kv = {rid: out.kv_transfer_params for rid, out in held.items()}
-    assert all(k["remote_num_tokens"] == len(p) for k, p in zip(kv.values(), prompts))
+    assert all(k.remote_num_tokens == len(p) for k, p in zip(kv.values(), prompts))
     return _run(decode, [(f"{prefix}{i}", p, params, kv[f"{prefix}{i}"]) for i, p in enumerate(prompts)])
 
 
@@ -100,8 +101,8 @@ def test_decode_pulls_only_what_its_prefix_cache_lacks(tiny_qwen):
 def test_an_unpulled_lease_expires_and_frees_the_blocks(tiny_qwen):
     prefill = _engine(tiny_qwen[0], kv_role="prefill", kv_lease_s=0.2, enable_prefix_caching=False)
     free = prefill.block_manager.num_free_blocks
-    out = _run(prefill, [("x", PROMPTS[3], SamplingParams(max_tokens=1), {"do_remote_decode": True})])["x"]
-    assert len(out.kv_transfer_params["remote_block_ids"]) == 3
+    out = _run(prefill, [("x", PROMPTS[3], SamplingParams(max_tokens=1), DO_REMOTE_DECODE)])["x"]
+    assert len(out.kv_transfer_params.remote_block_ids) == 3
     assert prefill.block_manager.num_free_blocks == free - 3 and prefill.kv_busy
     prefill.check_invariants()
     _settle(prefill)
@@ -126,16 +127,16 @@ def test_held_prompts_bound_a_prefill_instance_a_new_prompt_waits_for_a_lease_to
     prefill.debug_invariants = True
     first = SamplingParams(max_tokens=1)
     distinct = [[100 * i + 60 + j for j in range(40)] for i in range(2)]  # (no shared prefix)
-    held = _run(prefill, [(f"h{i}", p, first, {"do_remote_decode": True}) for i, p in enumerate(distinct)])
+    held = _run(prefill, [(f"h{i}", p, first, DO_REMOTE_DECODE) for i, p in enumerate(distinct)])
     assert prefill.block_manager.num_free_blocks == 2 and len(held) == 2
-    prefill.add_validated_request("next", None, PROMPTS[3], first, {"do_remote_decode": True})
+    prefill.add_validated_request("next", None, PROMPTS[3], first, DO_REMOTE_DECODE)
     start = time.monotonic()
     while time.monotonic() - start < 0.3:  # (the leases still run)
         assert prefill.step() == []
         assert prefill.get_metrics()["num_waiting"] == 1
         prefill.check_invariants()
     out = _run(prefill, [])
-    assert set(out) == {"next"} and out["next"].kv_transfer_params["remote_num_tokens"] == len(PROMPTS[3])
+    assert set(out) == {"next"} and out["next"].kv_transfer_params.remote_num_tokens == len(PROMPTS[3])
     assert prefill.get_metrics()["kv_leases_expired"] >= 1  # (what let it in)
     _settle(prefill)
     assert prefill.get_metrics()["kv_leases_expired"] == 3
@@ -147,7 +148,7 @@ def test_a_pull_from_a_gone_prefill_instance_is_prefilled_here(tiny_qwen, coloca
     prefill = _engine(tiny_qwen[0], kv_role="prefill")
     decode = _engine(tiny_qwen[0], kv_role="decode")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    held = _run(prefill, [("g", PROMPTS[3], SamplingParams(max_tokens=1), {"do_remote_decode": True})])
+    held = _run(prefill, [("g", PROMPTS[3], SamplingParams(max_tokens=1), DO_REMOTE_DECODE)])
     prefill.shutdown()  # its pool unregistered: the pull cannot read it
     del prefill
     out = _run(decode, [("g", PROMPTS[3], params, held["g"].kv_transfer_params)])["g"]
@@ -160,16 +161,52 @@ def test_a_pull_from_a_gone_prefill_instance_is_prefilled_here(tiny_qwen, coloca
 
 def test_kv_transfer_params_are_checked_against_the_role(tiny_qwen, colocated):
     with pytest.raises(ValueError, match="kv_transfer_params: do_remote_decode needs a prefill instance"):
-        colocated.add_validated_request("z", None, [1, 2, 3], SamplingParams(), {"do_remote_decode": True})
+        colocated.add_validated_request("z", None, [1, 2, 3], SamplingParams(), DO_REMOTE_DECODE)
     decode = _engine(tiny_qwen[0], kv_role="decode")
-    bad = {"remote_block_ids": [0], "remote_num_tokens": 9, "remote_agent": {}, "remote_request_id": "q"}
+    agent = {"ranks": [{"num_blocks": 4}]}
+    bad = KVTransferParams(remote_request_id="q", remote_agent=agent, remote_block_ids=(0,), remote_num_tokens=9)
     with pytest.raises(ValueError, match="not the same prompt"):
         decode.add_validated_request("z", None, [1, 2, 3], SamplingParams(), bad)
     assert not decode.has_unfinished_requests()
     decode.shutdown()
 
 
-DO_REMOTE_DECODE = {"do_remote_decode": True}
+DO_REMOTE_DECODE = KVTransferParams(do_remote_decode=True)
+
+
+def test_kv_transfer_params_are_parsed_whole_or_refused():
+    """from_dict takes a request's JSON once, at the door; to_dict gives it back as it came."""
+    agent = {"ranks": [{"num_blocks": 8}]}
+    answer = {
+        "remote_agent": agent,
+        "remote_request_id": "r",
+        "remote_block_ids": [3, 7],
+        "remote_num_tokens": 20,
+        "remote_lease_s": 30.0,
+        "remote_compat": {"model": "m"},
+    }
+    kv = KVTransferParams.from_dict(answer)
+    assert kv.pulls and kv.remote_block_ids == (3, 7) and kv.to_dict() == answer
+    assert KVTransferParams.from_dict({"do_remote_decode": True}) == DO_REMOTE_DECODE and not DO_REMOTE_DECODE.pulls
+    for bad, said in [
+        ([], "must be an object"),
+        ({}, "need do_remote_decode, or a prefill instance's answer"),
+        ({**answer, "remote_request_id": 5}, "remote_agent or remote_request_id missing"),
+        ({**answer, "remote_agent": {"ranks": []}}, "remote_agent has no ranks"),
+        ({**answer, "remote_num_tokens": "20"}, "remote_num_tokens must be an integer"),
+        ({**answer, "remote_block_ids": [3, 8]}, r"block ids of the prefill instance's pool \(0..7\)"),
+        ({**answer, "remote_block_ids": [True]}, "block ids of the prefill instance's pool"),
+        ({**answer, "remote_lease_s": 0}, "remote_lease_s must be a number > 0"),
+    ]:
+        with pytest.raises(ValueError, match="^kv_transfer_params: .*" + said):
+            KVTransferParams.from_dict(bad)
+    with pytest.raises(ValueError, match="remote_block_ids do not cover the prompt"):
+        kv.check("decode", 4, 20, 1)
+    kv.check("decode", 16, 20, 1)
+    with pytest.raises(ValueError, match="remote blocks need a decode instance"):
+        kv.check("both", 16, 20, 1)
+
+
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 OTHER_40 = list(range(200, 240))  # (another 40-token prompt: three 16-token blocks)
 
@@ -231,7 +268,7 @@ def test_a_pull_reported_for_an_ended_lease_is_counted_as_late(tiny_qwen):
     peer = NixlKVTransfer()
     peer.register(torch.zeros(1, 2, 1, 1, 1, 1))
     for kind in ("release", "pulled", "renew"):  # (only the read counts)
-        peer.notify(held.kv_transfer_params["remote_agent"], LeaseNotice(kind, "a"))
+        peer.notify(held.kv_transfer_params.remote_agent, LeaseNotice(kind, "a"))
     deadline = time.monotonic() + 5
     while not prefill.get_metrics()["kv_late_pulls"] and time.monotonic() < deadline:
         prefill.step()
@@ -326,14 +363,16 @@ def test_pulls_into_blocks_freed_under_a_step_in_flight_are_not_overwritten(tmp_
         want = _run(colocated, [(f"p{i}", p, greedy, None) for i, p in enumerate(pulled)])
         wrong = []
         for i, prompt in enumerate(pulled):
-            body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": DO_REMOTE_DECODE}
+            body = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": DO_REMOTE_DECODE.to_dict()}
             r = httpx.post(url + "/v1/completions", json=body, headers={KV_SECRET_HEADER: kv_transfer_secret()})
             assert decode.reset_prefix_cache()  # (the blocks the pull can take: the long prompt's)
             decode.add_validated_request(f"n{i}", None, [400 + i] * 16, busy)  # (keeps steps launching ahead)
             for _ in range(3):
                 decode.step()
             decode.add_validated_request(f"long{i}", None, [(13 * i + j) % 500 + 500 for j in range(1100)], busy)
-            decode.add_validated_request(f"p{i}", None, prompt, greedy, r.json()["kv_transfer_params"])
+            decode.add_validated_request(
+                f"p{i}", None, prompt, greedy, KVTransferParams.from_dict(r.json()["kv_transfer_params"])
+            )
             while decode.get_metrics()["num_running"] < 2:  # (the long prompt's first chunk launched)
                 decode.step()
             decode.abort_request(f"long{i}")  # (its chunk in flight: its blocks go to the pull)

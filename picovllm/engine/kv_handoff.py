@@ -51,6 +51,7 @@ from picovllm.distributed.kv_transfer import KVTransfer, LeaseNotice
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.request import Request, RequestStatus
 from picovllm.engine.scheduler import Scheduler
+from picovllm.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger("picovllm")
 
@@ -122,7 +123,7 @@ class KVHandoff:
 
     # ---- prefill side -----------------------------------------------------------------------
 
-    def hold(self, req: Request) -> dict:
+    def hold(self, req: Request) -> KVTransferParams:
         """Hold a finished request's prompt blocks for its decode instance; what to tell it."""
         blocks = req.block_table[: self.bm.blocks_needed(req.num_computed_tokens)]
         self.bm.inc_ref(blocks)
@@ -130,14 +131,14 @@ class KVHandoff:
         if node is not None:
             self.scheduler.cache.tree.lock(node, +1)
         self.leases[req.request_id] = _Lease(blocks, node, time.monotonic() + self.lease_s)
-        return {
-            "remote_agent": self.transfer.agent_info(),
-            "remote_request_id": req.request_id,
-            "remote_block_ids": blocks,
-            "remote_num_tokens": req.num_computed_tokens,
-            "remote_lease_s": self.lease_s,
-            "remote_compat": self.compat,
-        }
+        return KVTransferParams(
+            remote_request_id=req.request_id,
+            remote_agent=self.transfer.agent_info(),
+            remote_block_ids=tuple(blocks),
+            remote_num_tokens=req.num_computed_tokens,
+            remote_lease_s=self.lease_s,
+            remote_compat=self.compat,
+        )
 
     def _end_leases(self) -> None:
         """Take the notices in, then free the leases that ran out."""
@@ -176,7 +177,7 @@ class KVHandoff:
 
     def expect(self, req: Request) -> None:
         """A request arrived whose prompt KV a prefill instance holds (its lease's clock starts)."""
-        self.pending[req.request_id] = _Pending(req, float(req.kv_transfer_params["remote_lease_s"]), time.monotonic())
+        self.pending[req.request_id] = _Pending(req, req.kv_transfer_params.remote_lease_s, time.monotonic())
 
     def _pull_deadline(self, p: _Pending, now: float) -> float | None:
         """When a pull of p's started now must have ended; None if that leaves it too little time
@@ -209,7 +210,7 @@ class KVHandoff:
         params = req.kv_transfer_params
         first = req.num_computed_tokens // self.bm.block_size
         last = self.bm.blocks_needed(req.num_prompt_tokens - 1)
-        problem = _compat_problem(params["remote_compat"], self.compat)
+        problem = _compat_problem(params.remote_compat, self.compat)
         if problem is not None:
             self.metrics["kv_transfers_incompatible"] += 1
             logger.error(
@@ -228,11 +229,11 @@ class KVHandoff:
             blocks = req.block_table[first:last]
             p.pull = _Pull(pull_id, blocks, time.perf_counter(), deadline)
             self.pulls[pull_id] = p
-            remote = params["remote_block_ids"][first:last]
+            remote = list(params.remote_block_ids[first:last])
             self.metrics["kv_transfers_started"] += 1
             self.metrics["kv_transfer_blocks"] += len(remote)
             self.metrics["kv_transfer_bytes"] += len(remote) * self.block_bytes
-            self.transfer.pull(pull_id, params["remote_agent"], remote, blocks, self.bm.written_in_flight(blocks))
+            self.transfer.pull(pull_id, params.remote_agent, remote, blocks, self.bm.written_in_flight(blocks))
 
     def _poll(self) -> None:
         """The pulls that ended since the last call, and those past their deadline: a request whose
@@ -292,7 +293,7 @@ class KVHandoff:
 
     def _notify(self, p: _Pending, kind: str) -> None:
         params = p.req.kv_transfer_params
-        self.transfer.notify(params["remote_agent"], LeaseNotice(kind, params["remote_request_id"]))
+        self.transfer.notify(params.remote_agent, LeaseNotice(kind, params.remote_request_id))
 
     def abort(self, req: Request) -> None:
         """Before req is finished as aborted: release its lease (a pull in flight quarantined)."""
@@ -372,44 +373,3 @@ def _compat_problem(remote, local: dict) -> str | None:
     if not isinstance(remote, dict):
         return "no description of its KV"
     return "; ".join(f"{k} {remote.get(k)!r} there, {v!r} here" for k, v in local.items() if remote.get(k) != v)
-
-
-def check_kv_transfer_params(kv, role: str, block_size: int, ids: list[int], n: int) -> None:
-    """A request's kv_transfer_params against this instance's role and the prompt: ValueError
-    ("kv_transfer_params: ...") when they do not fit."""
-    problem = _kv_params_problem(kv, role, block_size, ids, n)
-    if problem is not None:
-        raise ValueError(f"kv_transfer_params: {problem}")
-
-
-def _kv_params_problem(kv, role: str, block_size: int, ids: list[int], n: int) -> str | None:
-    if not isinstance(kv, dict):
-        return "must be an object"
-    if kv.get("do_remote_decode"):
-        if role != "prefill":
-            return f"do_remote_decode needs a prefill instance (this one: {role})"
-        return None if n == 1 else "a prefill instance's request computes one completion (n=1)"
-    if "remote_block_ids" not in kv:
-        return "need do_remote_decode, or a prefill instance's answer"
-    if role != "decode":
-        return f"remote blocks need a decode instance (this one: {role})"
-    if kv.get("remote_num_tokens") != len(ids):
-        return (
-            f"the prefill instance computed {kv.get('remote_num_tokens')} prompt tokens, "
-            f"this prompt has {len(ids)}: not the same prompt"
-        )
-    agent, blocks = kv.get("remote_agent"), kv.get("remote_block_ids")
-    if not isinstance(agent, dict) or not isinstance(kv.get("remote_request_id"), str):
-        return "remote_agent or remote_request_id missing"
-    ranks = agent.get("ranks")
-    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
-        return "remote_agent has no ranks"
-    if not isinstance(blocks, list) or len(blocks) * block_size < len(ids) - 1:
-        return "remote_block_ids do not cover the prompt"
-    pool = min(r.get("num_blocks") if isinstance(r.get("num_blocks"), int) else 0 for r in ranks)
-    if not all(type(b) is int and 0 <= b < pool for b in blocks):
-        return f"remote_block_ids must be block ids of the prefill instance's pool (0..{pool - 1})"
-    lease = kv.get("remote_lease_s")
-    if type(lease) not in (int, float) or not lease > 0:
-        return "remote_lease_s must be a number > 0"
-    return None

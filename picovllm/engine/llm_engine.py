@@ -17,13 +17,14 @@ from picovllm import envs
 from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve_limits, resolve_max_model_len
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
-from picovllm.engine.kv_handoff import KVHandoff, check_kv_transfer_params, kv_compat
+from picovllm.engine.kv_handoff import KVHandoff, kv_compat
 from picovllm.engine.output_processor import OutputProcessor
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import Scheduler
 from picovllm.engine.stats import engine_stats
 from picovllm.engine.step_launcher import StepLauncher
 from picovllm.executor.executor import Executor, WorkerError
+from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source import resolve_model
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -111,14 +112,14 @@ class LLMEngine:
         text: str | None,
         ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         """Queue a request whose prompt went through process_prompt (LLM.generate validates a
         whole batch first, then queues it, so that bad input queues nothing). kv_transfer_params:
         disaggregated prefill (engine/kv_handoff.py); ValueError if this instance's role does not
         take them."""
         if kv_transfer_params is not None:
-            check_kv_transfer_params(kv_transfer_params, self.config.kv_role, self.config.block_size, ids, params.n)
+            kv_transfer_params.check(self.config.kv_role, self.config.block_size, len(ids), params.n)
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else (params.seed + i * 1_000_003) % _MAX_SEED
@@ -138,7 +139,7 @@ class LLMEngine:
             if kv_transfer_params is not None and i > 0:
                 req.after = children[0]  # (it pulls; the others take its blocks from the prefix cache)
             children.append(req)
-        if kv_transfer_params is not None and "remote_block_ids" in kv_transfer_params:
+        if kv_transfer_params is not None and kv_transfer_params.pulls:
             self.kv_handoff.expect(children[0])
         self.output_processor.add(request_id, text, ids, children)
         for req in children:

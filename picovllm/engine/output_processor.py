@@ -15,6 +15,7 @@ from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.kv_handoff import KVHandoff
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import Scheduler
+from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.messages import SamplerOutput
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind
@@ -35,7 +36,7 @@ class RequestGroup:
     children: list[Request]
     arrival_time: float  # time.time(), as vLLM's RequestMetrics
     first_token_time: float | None = None
-    kv_transfer_params: dict | None = None  # a prefill instance's answer: where the KV is held
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's answer: where the KV is held
 
 
 class OutputProcessor:
@@ -75,7 +76,7 @@ class OutputProcessor:
             reason, stop_reason = self._check_finished(req, token)
             if reason is not None:
                 req.stop_reason = stop_reason
-                if req.kv_transfer_params is not None and req.kv_transfer_params.get("do_remote_decode"):
+                if req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode:
                     self.groups[req.parent_id].kv_transfer_params = self.kv_handoff.hold(req)
                 self.scheduler.finish(req, reason)
             if req.num_output_tokens == 1 and (group := self.groups.get(req.parent_id)) is not None:

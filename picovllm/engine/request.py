@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.outputs import Logprob
 from picovllm.sampling_params import SamplingParams
 
@@ -28,7 +29,7 @@ class Request:
         arrival: int,
         seed: int | None,
         max_model_len: int | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ):
         self.request_id = request_id
         self.parent_id = parent_id

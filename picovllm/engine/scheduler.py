@@ -320,4 +320,4 @@ _NOT_YET_PULLED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV)
 
 def _pulls(req: Request) -> bool:
     """Whether req's prompt KV is to be pulled from a prefill instance (a decode instance's request)."""
-    return req.kv_transfer_params is not None and "remote_block_ids" in req.kv_transfer_params
+    return req.kv_transfer_params is not None and req.kv_transfer_params.pulls

@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import time
+from dataclasses import dataclass, replace
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -40,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from picovllm.entrypoints.openai.serving import KV_SECRET_HEADER, ClientGone, cancel_on_disconnect, kv_transfer_secret
 from picovllm.entrypoints.web import mount_web_ui
+from picovllm.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger("picovllm")
 
@@ -207,9 +209,9 @@ class _Router:
         await asyncio.gather(checks, *self.background, return_exceptions=True)
         await self.session.close()
 
-    def release(self, instance: _Instance, kv: dict, headers: dict) -> None:
+    def release(self, instance: _Instance, kv: KVTransferParams, headers: dict) -> None:
         """End the prompt's lease on the prefill instance now (in the background)."""
-        body = {"request_id": kv.get("remote_request_id")}
+        body = {"request_id": kv.remote_request_id}
 
         async def post() -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
@@ -243,12 +245,12 @@ class _Router:
             )
         except BaseException:  # (no answer from any decode instance, or the client gone)
             if kv is not None:
-                self.release(holder, kv, headers)
+                self.release(holder, kv.params, headers)
             raise
         if kv is not None and isinstance(response, _Relay):
-            response.on_incomplete = lambda: self.release(holder, kv, headers)
+            response.on_incomplete = lambda: self.release(holder, kv.params, headers)
         elif kv is not None and response.status_code != 200:
-            self.release(holder, kv, headers)  # (it refused the request: it will not pull)
+            self.release(holder, kv.params, headers)  # (it refused the request: it will not pull)
         return response
 
     async def route(self, path: str, request: Request):
@@ -398,24 +400,25 @@ async def _prefill(session, instance: _Instance, path: str, body: dict, headers:
     if r.status != 200:  # (the client's request, refused: passed back as it came)
         return None, Response(answer, r.status, media_type=r.content_type)
     try:
-        kv = json.loads(answer).get("kv_transfer_params")
+        kv = KVTransferParams.from_dict(json.loads(answer).get("kv_transfer_params"))
     except (ValueError, AttributeError):
         kv = None
-    if not isinstance(kv, dict) or not isinstance(kv.get("remote_lease_s"), (int, float)):
+    if kv is None or not kv.pulls:
         raise _Failed(instance, "answered without kv_transfer_params: is it a prefill instance (--role prefill)?")
     return _LeaseClock(kv, answered), None
 
 
-class _LeaseClock(dict):
+@dataclass(frozen=True)
+class _LeaseClock:
     """A prefill instance's kv_transfer_params, whose remote_lease_s (the lease's time left) is
     counted down from when they arrived as they are sent on."""
 
-    def __init__(self, kv: dict, arrived: float):
-        super().__init__(kv)
-        self.arrived = arrived
+    params: KVTransferParams
+    arrived: float
 
     def now(self) -> dict:
-        return {**self, "remote_lease_s": self["remote_lease_s"] - (time.perf_counter() - self.arrived)}
+        left = self.params.remote_lease_s - (time.perf_counter() - self.arrived)
+        return replace(self.params, remote_lease_s=left).to_dict()
 
 
 class _Relay(StreamingResponse):

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
-from picovllm.engine.kv_handoff import check_kv_transfer_params
 from picovllm.engine.llm_engine import LLMEngine
+from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.messages import (
     AbortRequest,
     AddRequest,
@@ -196,7 +196,7 @@ class _Background:
         raise NotImplementedError
 
     async def validate(
-        self, prompt: PromptType, params: SamplingParams, kv_transfer_params: dict | None = None
+        self, prompt: PromptType, params: SamplingParams, kv_transfer_params: KVTransferParams | None = None
     ) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt (and its kv_transfer_params) off the event loop. Raises
         ValueError for bad input."""
@@ -204,7 +204,7 @@ class _Background:
             process_prompt, prompt, params, self.tokenizer, self.vocab_size, self.max_model_len
         )
         if kv_transfer_params is not None:
-            check_kv_transfer_params(kv_transfer_params, self.kv_role, self.block_size, ids, params.n)
+            kv_transfer_params.check(self.kv_role, self.block_size, len(ids), params.n)
         return text, ids
 
     def generate(
@@ -213,7 +213,7 @@ class _Background:
         text: str | None,
         ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> RequestStream:
         """Start a validated prompt (see validate) now: its stream of outputs, as they change
         (close it: see RequestStream)."""

@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess, RequestStream
 from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source.builtin import cache_root
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -127,7 +128,8 @@ class ServerState:
     ) -> list[RequestStream]:
         """Validate the prompts (400 on bad input), then start generating all of them at once: their
         streams (the caller closes them). 503 when max_num_waiting requests are waiting already:
-        started ones, and those between this door and the engine (validating)."""
+        started ones, and those between this door and the engine (validating). kv_transfer_params
+        (the request's JSON) are parsed here, once."""
         if self.max_num_waiting is not None:
             engine = self.engine
             waiting = self.validating + engine.num_open_requests - engine.get_metrics().get("num_running", 0)
@@ -141,17 +143,15 @@ class ServerState:
                 )
         self.validating += len(prompts)
         try:
-            valid = [await self.engine.validate(p, params, kv_transfer_params) for p in prompts]
+            kv = None if kv_transfer_params is None else KVTransferParams.from_dict(kv_transfer_params)
+            valid = [await self.engine.validate(p, params, kv) for p in prompts]
         except ValueError as e:
             raise APIError(400, str(e), param=_prompt_error_param(str(e), prompt_param)) from None
         finally:
             self.validating -= len(prompts)
         # (no await from here on: the streams are open before another request passes the door)
         try:
-            return [
-                self.engine.generate(rid, text, ids, params, kv_transfer_params)
-                for rid, (text, ids) in zip(request_ids, valid)
-            ]
+            return [self.engine.generate(rid, text, ids, params, kv) for rid, (text, ids) in zip(request_ids, valid)]
         except EngineError as e:  # (the engine is gone: nothing was started)
             raise APIError(500, str(e), "InternalServerError") from None
 

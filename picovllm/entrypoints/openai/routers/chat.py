@@ -72,7 +72,7 @@ async def chat(req: ChatCompletionRequest, state: State, raw_request: Request):
         "model": state.served_model_name,
         "choices": choices,
         "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
-        **({"kv_transfer_params": out.kv_transfer_params} if out.kv_transfer_params is not None else {}),
+        **({"kv_transfer_params": out.kv_transfer_params.to_dict()} if out.kv_transfer_params is not None else {}),
     }
 
 

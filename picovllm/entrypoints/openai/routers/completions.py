@@ -76,7 +76,7 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
         "model": state.served_model_name,
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-        **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else {}),
+        **({"kv_transfer_params": kv_transfer_params.to_dict()} if kv_transfer_params is not None else {}),
     }
 
 
