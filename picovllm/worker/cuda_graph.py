@@ -28,8 +28,7 @@ import time
 
 import torch
 
-from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
-from picovllm.model.layers.attention import AttentionMetadata
+from picovllm.model.layers.attention import AttentionMetadata, prefill_work_capacity
 from picovllm.worker.inputs import MixedPadding, ModelInputs, packed_layout
 
 logger = logging.getLogger("picovllm")
@@ -210,7 +209,7 @@ class MixedGraphs(_GraphSet):
     def work_capacity(tokens: int) -> int:
         """Prefill attention work items (blocks of BLOCK_M queries of sequences with several) the
         graph of this token count serves: any step with at most MAX_GRAPH_PREFILLS such sequences."""
-        return -(-tokens // PREFILL_BLOCK_M) + MAX_GRAPH_PREFILLS
+        return prefill_work_capacity(tokens, MAX_GRAPH_PREFILLS)
 
     def padding(self, num_tokens: int, num_seqs: int, work_items: int = 0) -> MixedPadding | None:
         """The shape of the smallest graph that serves a step of this size (None: none does)."""

@@ -20,9 +20,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from picovllm.kernels.prefill_attention import BLOCK_M, prefill_work, work_block_m
 from picovllm.messages import StepInputs
-from picovllm.model.layers.attention import AttentionMetadata
+from picovllm.model.layers.attention import AttentionMetadata, prefill_work_list
 
 PACK_ALIGN = 16  # elements: a step's arrays are packed for upload with each starting 128-byte aligned,
 # so that Triton compiles one variant of each kernel (it specialises on pointer alignment)
@@ -125,9 +124,8 @@ def _tokens(step: StepInputs, block_size: int, rows: int) -> _Tokens:
     return _Tokens(input_ids, positions, slots, tables, query_start_loc, logits_indices)
 
 
-def _meta(
-    step: StepInputs, slots, tables, context_lens, query_start_loc, work=None, block_m: int = BLOCK_M
-) -> AttentionMetadata:
+def _meta(step: StepInputs, slots, tables, context_lens, query_start_loc, work=None, block_m=None) -> AttentionMetadata:
+    """The step's attention metadata; work and block_m: the prefill kernel's (prefill_work_list)."""
     return AttentionMetadata(
         slot_mapping=slots,
         block_tables=tables,
@@ -137,7 +135,7 @@ def _meta(
         max_context_len=int(step.context_lens.max()),
         any_single_query=bool((step.query_lens == 1).any()),
         prefill_work=work,
-        prefill_block_m=block_m,
+        **({} if block_m is None else {"prefill_block_m": block_m}),
     )
 
 
@@ -171,19 +169,18 @@ def build_mixed_graph(step: StepInputs, block_size: int, upload: Uploader, pad: 
     context_lens[: step.num_seqs] = step.context_lens
     qsl = np.full(pad.seqs + 1, total, dtype=np.int64)
     qsl[: step.num_seqs + 1] = t.query_start_loc
-    work = prefill_work(step.query_lens, BLOCK_M, capacity=pad.work_items)
+    work, block_m = prefill_work_list(step.query_lens, capacity=pad.work_items)
     token_rows, ctx, qsl, work, tables, logits, graph_inputs = upload(
         tokens, context_lens, qsl, work, t.tables, t.logits_indices, packed=True
     )
     input_ids, positions, slots = token_rows
-    return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work), logits, graph_inputs)
+    return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work, block_m), logits, graph_inputs)
 
 
 def build_eager(step: StepInputs, block_size: int, upload: Uploader) -> ModelInputs:
     """A step with prompt tokens, run eagerly: nothing padded."""
     t = _tokens(step, block_size, step.num_seqs)
-    block_m = work_block_m(int(step.query_lens.max()))
-    work = prefill_work(step.query_lens, block_m)
+    work, block_m = prefill_work_list(step.query_lens)
     input_ids, positions, slots, ctx, tables, qsl, logits, work = upload(
         t.input_ids,
         t.positions,

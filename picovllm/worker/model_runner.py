@@ -17,8 +17,8 @@ from picovllm.distributed.communicator import tp_broadcast
 from picovllm.distributed.kv_transfer import KVTransfer, block_runs
 from picovllm.distributed.kv_transfer.nixl import NixlKVTransfer
 from picovllm.distributed.parallel_state import get_tp_size
-from picovllm.kernels.prefill_attention import num_work_items
 from picovllm.messages import SamplerOutput, SamplingBatch, StepInputs
+from picovllm.model.layers.attention import prefill_work_items
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.worker.inputs import ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
@@ -164,7 +164,7 @@ class ModelRunner:
             size = self.graphs.padded_size(step.num_seqs) if self.graphs is not None else None
             return build_decode(step, self.block_size, self.upload, size), self.graphs if size else None
         if self.mixed_graphs is not None:
-            pad = self.mixed_graphs.padding(step.num_tokens, step.num_seqs, num_work_items(step.query_lens))
+            pad = self.mixed_graphs.padding(step.num_tokens, step.num_seqs, prefill_work_items(step.query_lens))
             if pad is not None:
                 return build_mixed_graph(step, self.block_size, self.upload, pad), self.mixed_graphs
         return build_eager(step, self.block_size, self.upload), None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -11,7 +12,7 @@ from picovllm.kernels.decode_attention import decode_attention_triton
 from picovllm.kernels.kv_store import rope_and_store
 from picovllm.kernels.paged_attention import AttentionPlan, paged_attention_ref, plan_paged_attention
 from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
-from picovllm.kernels.prefill_attention import prefill_attention_triton
+from picovllm.kernels.prefill_attention import num_work_items, prefill_attention_triton, prefill_work, work_block_m
 from picovllm.kernels.triton_utils import use_triton
 
 
@@ -41,6 +42,29 @@ class AttentionMetadata(NamedTuple):
     any_single_query: bool = True  # some sequence has exactly one query (host-side; mixed graphs: per graph)
     prefill_work: torch.Tensor | None = None  # None: the kernel builds it (a device-to-host copy)
     prefill_block_m: int = PREFILL_BLOCK_M
+
+
+# ---- the metadata's parts that follow the kernels' tiling: a step's input builder
+# (worker/inputs.py) and the CUDA graphs (worker/cuda_graph.py) ask these, not the kernels
+
+
+def prefill_work_items(query_lens: np.ndarray) -> int:
+    """Work items of the prefill kernel a step of these query lengths gives, in a CUDA graph's
+    fixed blocks of queries."""
+    return num_work_items(query_lens, PREFILL_BLOCK_M)
+
+
+def prefill_work_capacity(tokens: int, max_prefills: int) -> int:
+    """Work items a graph of this token count holds: any step with at most max_prefills sequences
+    of several queries."""
+    return -(-tokens // PREFILL_BLOCK_M) + max_prefills
+
+
+def prefill_work_list(query_lens: np.ndarray, capacity: int | None = None) -> tuple[np.ndarray, int]:
+    """(the prefill kernel's work list, its block of queries): in a CUDA graph (capacity: its
+    work items, padded with -1) the fixed block, eagerly the block the longest query suits."""
+    block_m = PREFILL_BLOCK_M if capacity is not None else work_block_m(int(query_lens.max()))
+    return prefill_work(query_lens, block_m, capacity=capacity), block_m
 
 
 class PagedAttention(nn.Module):
