@@ -168,26 +168,28 @@ def test_unknown_parameter_rejected():
 
 
 def test_sampling_tensors_follow_the_batch(tiny_qwen):
-    """The runner reuses a step's sampling tensors only for the very same requests, and forgets
-    them when the requests finish: a request reusing a finished one's id with other parameters
-    gets its own; a min_tokens ban is rebuilt every step while it lasts."""
+    """The runner reuses a step's sampling tensors only when the engine sends the batch it sent
+    last (the very same requests, nothing changed): a request reusing a finished one's id with
+    other parameters gets its own; a min_tokens ban is rebuilt every step while it lasts."""
     from picovllm import LLMEngine
 
     engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
     runner = engine.executor.driver.model_runner
     engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True))
     engine.step()
-    first = runner._sampling_cache[1]
-    engine.step()  # same request: same tensors
-    assert runner._sampling_cache[1] is first
+    batch, first = runner._sampling_cache
+    engine.step()  # same request: same batch, same tensors
+    assert runner._sampling_cache[0] is batch and runner._sampling_cache[1] is first
     engine.step()
-    assert not engine.has_unfinished_requests() and runner._sampling_cache is None
+    assert not engine.has_unfinished_requests()
     engine.add_request("a", [5, 6, 7], SamplingParams(temperature=1.5, max_tokens=2, ignore_eos=True))
     engine.step()
     assert runner._sampling_cache[1] is not first
     assert runner._sampling_cache[1].temperature.tolist() == [1.5]
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("b", [5, 6, 7], SamplingParams(temperature=0.5, max_tokens=3, min_tokens=2))
+    engine.add_request("b", [5, 6, 7], SamplingParams(temperature=0.5, max_tokens=4, min_tokens=3))
     engine.step()
-    assert runner._sampling_cache is None  # a ban in force: rebuilt each step
+    banned = runner._sampling_cache[1]
+    engine.step()  # a ban in force: rebuilt each step
+    assert banned.banned is not None and runner._sampling_cache[1] is not banned

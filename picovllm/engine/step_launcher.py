@@ -128,7 +128,8 @@ class StepLauncher:
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
         has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
-        reached: the model runner then reuses its tensors too); else a new one."""
+        reached); else a new one. This is the one place that decides: rank 0's model runner
+        reuses its sampling tensors exactly when it gets the batch it got last."""
         finished = self.scheduler.take_finished_ids()
         last = self._last_sampling
         if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):

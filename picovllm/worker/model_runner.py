@@ -60,7 +60,7 @@ class ModelRunner:
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
         self.sampler = Sampler()
         self.upload = Uploader(device)
-        self._sampling_cache: tuple[list[str], SamplingTensors] | None = None
+        self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None  # (the KV cache's host tier, kv_offload_memory)
@@ -258,27 +258,24 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _sampling_tensors(self, batch: SamplingBatch) -> SamplingTensors:
-        """The batch's sampling tensors, reused from the previous step when the same requests
-        sample again and nothing in them changes per step (no penalties, no min_tokens ban)."""
-        self.free_requests(batch.finished_ids)
-        cached = self._sampling_cache  # (the request ids, in order; their tensors)
-        if cached is not None and (cached[0] is batch.request_ids or cached[0] == batch.request_ids):
+        """The batch's sampling tensors. The engine decides when they can be reused: it sends the
+        very batch it sent last when the same requests sample again and nothing in them changes
+        per step (StepLauncher._sampling_batch); then the tensors built for it serve again."""
+        cached = self._sampling_cache  # (the batch last built, its tensors)
+        if cached is not None and cached[0] is batch:
             return cached[1]
+        self.free_requests(batch.finished_ids)
         generators = [
             None if seed is None else self._generator(rid, seed) for rid, seed in zip(batch.request_ids, batch.seeds)
         ]
         tensors = SamplingTensors.from_batch(batch, generators, self.model_cfg.vocab_size, self.eos_ids, self.device)
-        static = tensors.banned is None and tensors.prompt_ids is None
-        self._sampling_cache = (batch.request_ids, tensors) if static else None
+        self._sampling_cache = (batch, tensors)
         return tensors
 
     def free_requests(self, request_ids: list[str]) -> None:
-        """Forget finished requests: their generators, and the cached tensors (an id may come
-        back, as another request)."""
+        """Forget finished requests' generators."""
         for rid in request_ids:
             self.generators.pop(rid, None)
-        if request_ids:
-            self._sampling_cache = None
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self.generators.get(request_id)
