@@ -4,7 +4,7 @@ for the same reason): the engine's host work and the HTTP thread's streaming the
 turns on one GIL. Both run the same command loop (engine_loop).
 
 Both validate prompts off the event loop, take requests and aborts from HTTP handlers, deliver
-each request's RequestOutputs (RequestOutputKind.DELTA: what each step added) on an asyncio
+each request's RequestOutputs (in its params' output kind; the server asks for DELTA) on an asyncio
 queue (loop.call_soon_threadsafe, once per step for all the streams of a loop), abort a request
 whose consumer stops early, and call on_step(self, outputs) after each step (metrics;
 get_metrics() is the engine's).
@@ -21,7 +21,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
 from picovllm.engine.llm_engine import LLMEngine
@@ -38,7 +37,7 @@ from picovllm.messages import (
     StopEngine,
 )
 from picovllm.outputs import RequestOutput
-from picovllm.sampling_params import RequestOutputKind, SamplingParams
+from picovllm.sampling_params import SamplingParams
 
 
 class RequestStream:
@@ -130,7 +129,7 @@ def engine_loop(
     (a decode instance's pulls, a prefill instance's leases), KV_POLL_FIRST_S for the first 10 ms,
     then doubling up to KV_POLL_S, and a step then polls them. While nothing steps it publishes an empty list only
     when the engine's metrics have changed (the metrics after aborts, a lease that ended).
-    Returns at StopEngine. Requests come in as DELTA outputs."""
+    Returns at StopEngine."""
     polls = 0  # waits in a row with nothing stepped
     published = None  # the metrics last published while nothing stepped
     while True:
@@ -145,7 +144,6 @@ def engine_loop(
                 case StopEngine():
                     return
                 case AddRequest(rid, text, ids, params, kv):
-                    params = replace(params, output_kind=RequestOutputKind.DELTA)
                     engine.add_validated_request(rid, text, ids, params, kv)
                 case AbortRequest(rid):
                     engine.abort_request(rid)

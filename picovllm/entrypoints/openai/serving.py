@@ -15,7 +15,7 @@ import json
 import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
@@ -26,7 +26,7 @@ from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source.builtin import cache_root
 from picovllm.outputs import CompletionOutput, RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class APIError(Exception):
@@ -113,8 +113,11 @@ class ServerState:
             raise APIError(400, "the server runs without a tokenizer: send token ids")
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams, asking for DELTA outputs: a stream sends each step's as it
+        comes, a whole answer joins them (collect), and the metrics time each step's tokens."""
         try:
-            return req.sampling_params(self.sampling_defaults, max_tokens, logprobs)
+            params = req.sampling_params(self.sampling_defaults, max_tokens, logprobs)
+            return replace(params, output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from None
 
