@@ -173,6 +173,7 @@ class SamplingBatch:
     prompt_ids: list[list[int]] | None = None  # when any row has penalties
     output_ids: list[list[int]] | None = None
     finished_ids: list[str] = field(default_factory=list)  # gone since the last step: generators dropped
+    bitmask: torch.Tensor | None = None  # [rows, vocab / 32] int32 on the host: tokens a grammar allows
 
     @property
     def num_rows(self) -> int:

@@ -21,6 +21,45 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # once, when it finishes (LLM.generate)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Output constrained to exactly one of (vLLM's names): a JSON schema (json: the schema, or
+    its JSON text), any JSON object (json_object), a regular expression (regex), one of some
+    strings (choice) or an EBNF grammar (grammar, xgrammar's dialect). The engine compiles it
+    (engine/structured_output.py); a request under it ends when the output is complete."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar or json_object, "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
+        if self.choice is not None and not (
+            isinstance(self.choice, (list, tuple)) and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be non-empty strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(
+            n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n) not in (None, False)
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ValueError naming the field.
@@ -29,7 +68,8 @@ class SamplingParams:
     Penalties follow vLLM: repetition_penalty multiplies down the logits of tokens seen in the
     prompt or output (1 = off); presence/frequency penalties subtract from the logits of tokens
     seen in the output (0 = off). ``logprobs=k`` returns the top-k log-probabilities (of the raw
-    model distribution) at each step, plus the sampled token's.
+    model distribution) at each step, plus the sampled token's. structured_outputs constrains
+    the output (StructuredOutputsParams).
     """
 
     n: int = 1
@@ -51,6 +91,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +153,11 @@ class SamplingParams:
         )
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
+        need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
 
     @property
@@ -130,4 +176,6 @@ class SamplingParams:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        if isinstance(d.get("structured_outputs"), dict):
+            d = {**d, "structured_outputs": StructuredOutputsParams(**d["structured_outputs"])}
         return cls(**d)

@@ -96,6 +96,25 @@ def test_chat_through_the_router_streamed_and_not(pd):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
 
 
+def test_structured_outputs_through_the_router_equal_the_colocated_server(pd):
+    """The decode instance samples every token under the grammar (the prefill instance's one
+    token is not the answer's): the answers are the colocated server's."""
+    router, _, decode, colocated = pd
+    done = _metrics(decode)["picovllm:kv_transfers_done"]
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2, 3]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    for extra in [{"guided_regex": "[ab]{2,5}"}, {"guided_json": schema}, {"guided_choice": ["up", "down"]}]:
+        kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0.8, seed=2, extra_body=extra)
+        got = _client(router).completions.create(**kwargs).choices[0]
+        want = _client(colocated).completions.create(**kwargs).choices[0]
+        assert (got.text, got.finish_reason) == (want.text, "stop"), extra
+    assert _metrics(decode)["picovllm:kv_transfers_done"] == done + 3
+
+
 def test_several_prompts_go_to_the_decode_instance_alone(pd):
     router, _, _, colocated = pd
     got = _client(router).completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0)

@@ -168,6 +168,45 @@ def test_models_health_tokenize(server):
     assert httpx.post(url + "/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"
 
 
+MSG = [{"role": "user", "content": "Hi"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "maximum": 999}, "tag": {"enum": ["a", "b"]}},
+    "required": ["id", "tag"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_in_every_field_streamed_and_not(client):
+    """response_format (json_schema, json_object), structured_outputs and guided_* on both
+    routes: every answer is what its constraint allows, streamed or not, and equal both ways."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
+    for stream in (False, True):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=60, seed=3, response_format=schema, stream=stream
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chat) if stream else chat.choices[0].message.content
+        jsonschema.validate(json.loads(text), SCHEMA)
+        for extra, ok in [
+            ({"structured_outputs": {"regex": "[xy]{3}"}}, lambda t: re.fullmatch("[xy]{3}", t)),
+            ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+            ({"response_format": schema}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+            ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        ]:
+            out = client.completions.create(
+                model=MODEL, prompt="Hi", max_tokens=60, n=2, seed=1, stream=stream, extra_body=extra
+            )
+            texts = {}
+            for c in out if stream else [out]:
+                for choice in c.choices:
+                    texts[choice.index] = texts.get(choice.index, "") + choice.text
+            assert len(texts) == 2 and all(ok(t) for t in texts.values()), (extra, texts)
+
+
 def _post(url, path, body, key=KEY):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + path, json=body, headers=headers, timeout=30)
@@ -186,6 +225,23 @@ def _post(url, path, body, key=KEY):
         ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        ("/v1/completions", {"prompt": "Hi", "guided_regex": "a("}, 400, "guided_regex"),
+        ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json": {"type": "x"}}}, 400, "structured_outputs"),
+        (
+            "/v1/completions",
+            {"prompt": "Hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            400,
+            "structured_outputs",
+        ),
+        ("/v1/completions", {"prompt": "Hi", "guided_choice": ["a"], "guided_regex": "b"}, 400, "guided_choice"),
+        ("/v1/chat/completions", {"messages": MSG, "guided_grammar": "root ::= "}, 400, "guided_grammar"),
+        (
+            "/v1/chat/completions",
+            {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            400,
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ],
 )
 def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, path, body, status, param):

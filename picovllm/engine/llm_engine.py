@@ -23,6 +23,7 @@ from picovllm.engine.request import Request
 from picovllm.engine.scheduler import Scheduler
 from picovllm.engine.stats import engine_stats
 from picovllm.engine.step_launcher import StepLauncher
+from picovllm.engine.structured_output import StructuredOutputManager, check_structured_outputs
 from picovllm.executor.executor import Executor, WorkerError
 from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source import resolve_model
@@ -32,6 +33,7 @@ from picovllm.sampling_params import SamplingParams
 logger = logging.getLogger("picovllm")
 
 _MAX_SEED = 2**63 - 1
+GRAMMAR_WAIT_S = 0.005  # a step with nothing to run but grammars compiling waits this long for one
 
 
 class LLMEngine:
@@ -75,7 +77,9 @@ class LLMEngine:
                 config, self.executor.kv_transfer, self.scheduler, self.kv_block_bytes, self.kv_compat
             )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.kv_handoff)
-        self.launcher = StepLauncher(self.scheduler, self.kv_handoff, self.executor, config.async_scheduling)
+        vocab = self.model_config.vocab_size
+        self.launcher = StepLauncher(self.scheduler, self.kv_handoff, self.executor, config.async_scheduling, vocab)
+        self.structured = StructuredOutputManager(self.tokenizer, vocab, self.eos_token_ids)
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
         self._arrivals = itertools.count()
@@ -93,7 +97,10 @@ class LLMEngine:
     # ---- requests in ------------------------------------------------------------------------
 
     def process_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Validate a prompt against this engine's model and limits (see process_prompt)."""
+        """Validate a prompt against this engine's model and limits (see process_prompt), and its
+        structured outputs' schema, regex or grammar."""
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs, self.tokenizer)
         return process_prompt(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
@@ -142,7 +149,9 @@ class LLMEngine:
         if kv_transfer_params is not None and kv_transfer_params.pulls:
             self.kv_handoff.expect(children[0])
         self.output_processor.add(request_id, text, ids, children)
-        for req in children:
+        if params.structured_outputs is not None:  # (they wait for their grammar: take_ready)
+            self.structured.add(params.structured_outputs, children)
+        for req in children if params.structured_outputs is None else ():
             self.scheduler.add(req)
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -193,14 +202,17 @@ class LLMEngine:
         prefix cache: the failed step's blocks were in the tree before their KV was computed."""
         self.launcher.reset()
         for req in list(self.scheduler.running):
-            group = self.groups.pop(req.parent_id, None)
-            if group is None:  # (a sibling running too: its group is failed already)
-                continue
-            for child in group.children:
-                self.scheduler.finish(child, "abort")
-            self.failed.append((req.parent_id, message))
+            self._fail(req.parent_id, message)
         self.executor.free_requests(self.scheduler.take_finished_ids())
         self.scheduler.cache.reset()
+
+    def _fail(self, request_id: str, message: str) -> None:
+        """Finish a request's completions as failed (take_failed reports it); once per request."""
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for child in group.children:
+                self.scheduler.finish(child, "abort")
+            self.failed.append((request_id, message))
 
     def take_failed(self) -> list[tuple[str, str]]:
         """(request id, why) of the requests failed since the last call (a step that raised)."""
@@ -211,8 +223,11 @@ class LLMEngine:
         start = time.perf_counter()
         if self.kv_handoff is not None:
             self.kv_handoff.tick()
+        if self.structured.compiling:
+            self._take_grammars()
         step = self.launcher.next_step()
         if step is None:
+            self.structured.wait(GRAMMAR_WAIT_S)  # (when only grammars being compiled are left)
             return []
         launched = time.perf_counter()
         if step.out is not None:
@@ -231,6 +246,14 @@ class LLMEngine:
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)
         self.num_steps += 1
         return outputs
+
+    def _take_grammars(self) -> None:
+        """Requests whose grammar has compiled go to the scheduler (engine/structured_output.py)."""
+        ready, failed = self.structured.take_ready()
+        for req in ready:
+            self.scheduler.add(req)
+        for request_id, why in failed:
+            self._fail(request_id, why)
 
     @property
     def groups(self) -> dict:
@@ -265,6 +288,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop every rank (also done when the engine is collected, and at exit, with several):
         each frees its graphs and closes its KV transfer (Worker.shutdown)."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def get_metrics(self) -> dict[str, int]:

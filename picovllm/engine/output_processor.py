@@ -8,6 +8,7 @@ scheduler here.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.messages import SamplerOutput
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind
+
+logger = logging.getLogger("picovllm")
 
 
 def at_length_limit(req: Request, pending: int = 0) -> bool:
@@ -73,7 +76,11 @@ class OutputProcessor:
             if req.logprobs is not None:
                 req.logprobs.append(self._logprob_dict(logprob_rows, i, token, req.params.logprobs))
                 req.cumulative_logprob += req.logprobs[-1][token].logprob
-            reason, stop_reason = self._check_finished(req, token)
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                logger.error("request %s: its grammar refuses token %d: it ends", req.request_id, token)
+                reason, stop_reason = "abort", None
+            else:
+                reason, stop_reason = self._check_finished(req, token)
             if reason is not None:
                 req.stop_reason = stop_reason
                 if req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode:
@@ -95,6 +102,8 @@ class OutputProcessor:
 
     def _check_finished(self, req: Request, token: int) -> tuple[str | None, int | str | None]:
         p = req.params
+        if req.grammar is not None and req.grammar.is_terminated():  # (its structured output is complete)
+            return "stop", None
         past_min = req.num_output_tokens >= p.min_tokens
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None

@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     SWAPPED = enum.auto()  # preempted, its KV in host blocks (preemption_mode "swap"), queued to resume
     RUNNING = enum.auto()  # holds blocks; its KV covers its first num_computed_tokens tokens
     WAITING_FOR_REMOTE_KV = enum.auto()  # holds blocks for its prompt, being pulled from a prefill instance
+    WAITING_FOR_GRAMMAR = enum.auto()  # its structured outputs' grammar compiling (not in the scheduler yet)
     FINISHED = enum.auto()
 
 
@@ -60,6 +61,7 @@ class Request:
         # disaggregated prefill (engine/kv_handoff.py): on a prefill instance {"do_remote_decode":
         # True}; on a decode instance where to pull the prompt's KV from (cleared once pulled)
         self.kv_transfer_params = kv_transfer_params
+        self.grammar = None  # its structured outputs' xgrammar matcher (engine/structured_output.py)
         self.after: Request | None = None  # admitted once this sibling is past its pull (n > 1)
         # detokenizer state (see detokenizer.py)
         self.output_text = ""

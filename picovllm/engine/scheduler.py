@@ -276,6 +276,8 @@ class Scheduler:
             self.cache.insert(req, req.num_computed_tokens)
         elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:  # (its pull has ended: the engine waits for that)
             self.transferring.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:  # (not here yet: StructuredOutputManager)
+            pass
         else:
             self.waiting.remove(req)
         self.cache.release(req)

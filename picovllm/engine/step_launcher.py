@@ -19,6 +19,7 @@ from picovllm.engine.kv_handoff import KVHandoff
 from picovllm.engine.output_processor import at_length_limit
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
+from picovllm.engine.structured_output import grammar_bitmask
 from picovllm.executor.executor import Executor
 from picovllm.messages import ExecuteStep, ModelRunnerOutput, SamplingBatch, StepInputs
 
@@ -55,13 +56,15 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | N
 
 
 def _reads_output(req: Request) -> bool:
-    """Whether req's next sample depends on its output so far: penalties, or a min_tokens ban."""
-    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens
+    """Whether req's next sample depends on its output so far: penalties, a min_tokens ban, or a
+    grammar (its next bitmask)."""
+    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens or req.grammar is not None
 
 
-def sampling_batch(reqs: list[Request], finished_ids: list[str]) -> SamplingBatch:
+def sampling_batch(reqs: list[Request], finished_ids: list[str], vocab_size: int) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data (a pending row's output so
-    far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban)."""
+    far lacks its token in flight: launching ahead is off with penalties, a min_tokens ban or a
+    grammar)."""
     penalties = any(r.params.has_penalties for r in reqs)
     return SamplingBatch(
         [r.request_id for r in reqs],
@@ -71,13 +74,21 @@ def sampling_batch(reqs: list[Request], finished_ids: list[str]) -> SamplingBatc
         [r.prompt_token_ids for r in reqs] if penalties else None,
         [r.output_token_ids for r in reqs] if penalties else None,
         finished_ids,
+        grammar_bitmask(reqs, vocab_size),
     )
 
 
 class StepLauncher:
-    def __init__(self, scheduler: Scheduler, kv_handoff: KVHandoff | None, executor: Executor, async_scheduling: bool):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv_handoff: KVHandoff | None,
+        executor: Executor,
+        async_scheduling: bool,
+        vocab_size: int,
+    ):
         self.scheduler, self.block_manager, self.kv_handoff = scheduler, scheduler.block_manager, kv_handoff
-        self.executor, self.async_scheduling = executor, async_scheduling
+        self.executor, self.async_scheduling, self.vocab_size = executor, async_scheduling, vocab_size
         self.inflight: LaunchedStep | None = None  # a step launched ahead, its tokens not read yet
         self._last_sampling: tuple[list[Request], SamplingBatch] | None = None  # (see _sampling_batch)
         self.num_launched_ahead = 0
@@ -134,7 +145,7 @@ class StepLauncher:
         last = self._last_sampling
         if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             return last[1]
-        batch = sampling_batch(reqs, finished)
+        batch = sampling_batch(reqs, finished, self.vocab_size)
         # (a batch is sent once with the ids of the requests finished before it)
         static = not finished and not any(map(_reads_output, reqs))
         self._last_sampling = (reqs, batch) if static else None
@@ -144,7 +155,7 @@ class StepLauncher:
         """Launch the step that follows `step` before its tokens are read, when its schedule does
         not depend on them (Scheduler.schedule_ahead): the requests that sampled in `step` decode
         the tokens it sampled, the others' prompt chunks and new admissions follow; not when a
-        request's sampling depends on its output so far (penalties, a min_tokens ban)."""
+        request's sampling depends on its output so far (penalties, a min_tokens ban, a grammar)."""
         reqs = step.reqs
         if not reqs:
             return None

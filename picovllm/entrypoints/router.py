@@ -339,7 +339,20 @@ def build_router_app(
 
 
 # what the decode instance's answer alone needs (min_tokens would not even fit one token)
-_NOT_FOR_PREFILL = ("stream", "stream_options", "logprobs", "top_logprobs", "echo", "min_tokens")
+_NOT_FOR_PREFILL = (  # (its one token is not the answer's: the decode instance samples them all)
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "min_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _FAILURES = {  # a hop's status: (the outcome counted, the error's type)
     502: ("unreachable", "BadGatewayError"),

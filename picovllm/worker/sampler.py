@@ -1,6 +1,6 @@
 """Batched sampling on the device with per-request parameters (vLLM's semantics).
 
-Order: min_tokens masking and penalties on the logits -> greedy rows take the argmax ->
+Order: structured outputs' bitmask, min_tokens masking and penalties on the logits -> greedy rows take the argmax ->
 temperature -> min_p -> top_k -> top_p -> a draw by the exponential race (argmax of p / q with
 q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw without the softmax, which
 costs a pass over a 152k vocabulary per row), each seeded request drawing its noise
@@ -35,6 +35,7 @@ class SamplingTensors:
     generators: list[torch.Generator | None]
     all_greedy: bool
     max_logprobs: int | None  # the largest logprobs=k asked for; None when no request asked
+    bitmask: torch.Tensor | None = None  # [B, vocab / 32] int32: the tokens each row's grammar allows
 
     @property
     def any_greedy(self) -> bool:
@@ -83,6 +84,7 @@ class SamplingTensors:
             generators=generators,
             all_greedy=all_greedy,
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            bitmask=None if batch.bitmask is None else _pinned_to(batch.bitmask, device),
         )
 
 
@@ -96,7 +98,10 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     from pinned memory with non_blocking. (torch.tensor(values, device="cuda") copies from pageable
     memory and synchronises the stream: with a step launched ahead, every change of the sampling
     requests would wait there for the running step.)"""
-    t = torch.tensor(values, dtype=dtype)
+    return _pinned_to(torch.tensor(values, dtype=dtype), device)
+
+
+def _pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
@@ -147,6 +152,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
+        if t.bitmask is not None:  # (structured outputs: each row's grammar, engine/structured_output.py)
+            from xgrammar import apply_token_bitmask_inplace
+
+            apply_token_bitmask_inplace(logits, t.bitmask)
         if t.banned is not None:
             logits = logits.index_put(t.banned, torch.full((), _NEG_INF, device=logits.device))
         if t.repetition_penalty is not None:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("picovllm")
 _STRICT = ConfigDict(strict=True)
@@ -23,6 +23,42 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON under a schema."""
+
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema")
+        return self
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's structured_outputs field: exactly one of these."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -60,6 +96,46 @@ class _SamplingFields(BaseModel):
     # disaggregated prefill (vLLM's field): {"do_remote_decode": true} to a prefill instance; its
     # answer's kv_transfer_params to a decode instance (engine/kv_handoff.py)
     kv_transfer_params: dict[str, Any] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or the older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """(the request's constraint, the field it came in); ValueError naming the field when it
+        is malformed, or when two fields give one."""
+        given = self._constraints()
+        if not given:
+            return None, ""
+        if len(given) > 1:
+            raise ValueError(f"{given[0][0]} and {given[1][0]} both constrain the output: give one")
+        name, kwargs = given[0]
+        try:
+            return StructuredOutputsParams(**kwargs), name
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    @property
+    def structured_field(self) -> str:
+        """The field the request's constraint came in ("" if none)."""
+        given = self._constraints()
+        return given[0][0] if given else ""
+
+    def _constraints(self) -> list[tuple[str, dict]]:
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            schema = rf.json_schema.json_schema if rf.type == "json_schema" else None
+            given.append(("response_format", dict(json=schema) if schema is not None else dict(json_object=True)))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
+        for kind in ("json", "regex", "choice", "grammar"):
+            if (value := getattr(self, f"guided_{kind}")) is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        return given
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for invalid values."""
@@ -81,6 +157,7 @@ class _SamplingFields(BaseModel):
                 values[name] = getattr(self, name)
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
+        values["structured_outputs"] = self.structured()[0]
         return SamplingParams(
             n=self.n,
             ignore_eos=self.ignore_eos,

@@ -21,6 +21,7 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
+from picovllm.engine.structured_output import check_structured_outputs
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess, RequestStream
 from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from picovllm.kv_transfer_params import KVTransferParams
@@ -119,7 +120,7 @@ class ServerState:
             params = req.sampling_params(self.sampling_defaults, max_tokens, logprobs)
             return replace(params, output_kind=RequestOutputKind.DELTA)
         except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split()[0]) from None
+            raise APIError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
 
     async def start(
         self,
@@ -128,11 +129,13 @@ class ServerState:
         request_ids: list[str],
         kv_transfer_params: dict | None = None,
         prompt_param: str = "prompt",
+        structured_param: str = "structured_outputs",
     ) -> list[RequestStream]:
         """Validate the prompts (400 on bad input), then start generating all of them at once: their
         streams (the caller closes them). 503 when max_num_waiting requests are waiting already:
         started ones, and those between this door and the engine (validating). kv_transfer_params
-        (the request's JSON) are parsed here, once."""
+        (the request's JSON) are parsed here, once, and the structured outputs' schema, regex or
+        grammar checked (off the event loop; a 400 names structured_param, the field it came in)."""
         if self.max_num_waiting is not None:
             engine = self.engine
             waiting = self.validating + engine.num_open_requests - engine.get_metrics().get("num_running", 0)
@@ -144,6 +147,13 @@ class ServerState:
                     "ServiceUnavailableError",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.to_thread(
+                    check_structured_outputs, params.structured_outputs, self.tokenizer, structured_param
+                )
+            except ValueError as e:
+                raise APIError(400, str(e), param=structured_param) from None
         self.validating += len(prompts)
         try:
             kv = None if kv_transfer_params is None else KVTransferParams.from_dict(kv_transfer_params)

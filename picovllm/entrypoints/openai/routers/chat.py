@@ -50,7 +50,9 @@ async def chat(req: ChatCompletionRequest, state: State, raw_request: Request):
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = state.sampling_params(req, max_tokens, logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await state.start([prompt], params, [rid], req.kv_transfer_params, prompt_param="messages")
+    streams = await state.start(
+        [prompt], params, [rid], req.kv_transfer_params, prompt_param="messages", structured_param=req.structured_field
+    )
     created = int(time.time())
     if req.stream:
         return sse(_stream(streams[0], req, params.n, params.logprobs, rid, created, state), streams)

@@ -46,7 +46,7 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
     if req.kv_transfer_params is not None and len(prompts) != 1:
         raise APIError(400, "kv_transfer_params go with one prompt", param="kv_transfer_params")
     ids = [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = await state.start(prompts, params, ids, req.kv_transfer_params)  # (all at once)
+    streams = await state.start(prompts, params, ids, req.kv_transfer_params, structured_param=req.structured_field)
     created = int(time.time())
     if req.stream:
         return sse(_stream(streams, req, params.n, rid, created, state), streams)

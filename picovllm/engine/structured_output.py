@@ -1,0 +1,147 @@
+"""Structured outputs (SamplingParams.structured_outputs) on xgrammar, the backend of vLLM and
+SGLang: a request's JSON schema, regex, choice or grammar becomes a grammar compiled against the
+tokenizer's vocabulary, and the request gets a matcher of its own (each completion of n). At each
+step the engine fills, on the host, a bitmask row of the tokens each constrained request may take
+next (grammar_bitmask); rank 0's sampler applies it to the logits before it samples
+(worker/sampler.py); the matcher then takes the accepted token (OutputProcessor), and the request
+ends ("stop") once its grammar is complete, or with "length" if max_tokens comes first.
+
+Grammars compile off the step's path, on a thread of their own (xgrammar keeps a cache of what
+it compiled): a request waits for its grammar outside the scheduler
+(RequestStatus.WAITING_FOR_GRAMMAR) while the others go on. A request's next bitmask needs its
+last token on the host, so a step is not launched ahead of one in which a constrained request
+samples (StepLauncher.launch_ahead); steps without one keep the overlap.
+
+JSON is constrained to its compact form (no free whitespace between tokens): a model can then
+not pad an answer with whitespace until max_tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import torch
+
+from picovllm.engine.request import Request, RequestStatus
+from picovllm.sampling_params import StructuredOutputsParams
+
+
+@functools.cache
+def _xgr():
+    import xgrammar  # (imported on first use: it takes most of a second)
+
+    return xgrammar
+
+
+def _grammar(so: StructuredOutputsParams):
+    """so as an xgrammar Grammar (RuntimeError from xgrammar when it does not parse)."""
+    xgr = _xgr()
+    match so.kind:
+        case "json":
+            schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        case "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        case "regex":
+            return xgr.Grammar.from_regex(so.regex)
+        case "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in so.choice))
+        case "grammar":
+            return xgr.Grammar.from_ebnf(so.grammar)
+
+
+def _ebnf_literal(text: str) -> str:
+    """text as EBNF string literals in a row: quotes and backslashes escaped (as vLLM does), each
+    control character a literal of its own (xgrammar reads all the hex digits after a \\x)."""
+    parts = [p for p in re.split(r"([\x00-\x1f])", text) if p]
+    return " ".join(
+        f'"\\x{ord(p):02x}"' if len(p) == 1 and ord(p) < 0x20 else '"' + re.sub(r'(["\\])', r"\\\1", p) + '"'
+        for p in parts
+    )
+
+
+def check_structured_outputs(so: StructuredOutputsParams, tokenizer, name: str = "structured_outputs") -> None:
+    """ValueError naming `name` when so's schema, regex or grammar does not parse, or when there
+    is no tokenizer to compile it against."""
+    if tokenizer is None:
+        raise ValueError(f"{name} needs a tokenizer (the engine was started without one)")
+    try:
+        _grammar(so)
+    except (RuntimeError, ValueError) as e:
+        what = {"json": "JSON schema", "json_object": "JSON", "choice": "choice"}.get(so.kind, so.kind)
+        raise ValueError(f"{name} has an invalid {what}: {str(e).splitlines()[0]}") from None
+
+
+class StructuredOutputManager:
+    """The engine's grammars: compiles them (one thread; the compiler built on first use, from the
+    tokenizer and the model's vocabulary), holds the requests that wait for theirs, and gives
+    each a matcher when it is ready."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.compiling: list[tuple[Future, list[Request]]] = []  # (the grammar, the requests waiting for it)
+
+    def add(self, so: StructuredOutputsParams, children: list[Request]) -> None:
+        """Start compiling so for a request's completions; they wait for it here (take_ready)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-grammar")
+        for req in children:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.compiling.append((self._pool.submit(self._compile, so), children))
+
+    def _compile(self, so: StructuredOutputsParams):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgr()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_token_ids)
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler.compile_grammar(_grammar(so))
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[str, str]]]:
+        """The requests whose grammar has compiled since the last call, each with its matcher and
+        WAITING (for the scheduler); (request id, why) of those whose grammar failed. Requests
+        finished meanwhile (aborted) are dropped."""
+        ready, failed, still = [], [], []
+        for future, children in self.compiling:
+            if not future.done():
+                still.append((future, children))
+            elif future.exception() is not None:
+                failed.append((children[0].parent_id, f"structured_outputs could not compile: {future.exception()}"))
+            else:
+                for req in children:
+                    if not req.is_finished:
+                        req.grammar = _xgr().GrammarMatcher(future.result())
+                        req.status = RequestStatus.WAITING
+                        ready.append(req)
+        self.compiling = still
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until a grammar being compiled is ready, or timeout seconds (nothing else to run)."""
+        if self.compiling:
+            wait([f for f, _ in self.compiling], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def grammar_bitmask(reqs: list[Request], vocab_size: int) -> torch.Tensor | None:
+    """[rows, ceil(vocab_size / 32)] int32 bits of the tokens each sampling row may take next
+    (rows without a grammar: all), on the host; None when no row has a grammar."""
+    if all(r.grammar is None for r in reqs):
+        return None
+    mask = _xgr().allocate_token_bitmask(len(reqs), vocab_size)
+    for i, req in enumerate(reqs):
+        if req.grammar is not None:
+            req.grammar.fill_next_token_bitmask(mask, i)
+    return mask

@@ -1,0 +1,148 @@
+"""Structured outputs (engine/structured_output.py) on a tiny random model: whatever the model
+would say, the output is what the schema, regex, choice or grammar allows, and requests without
+one are not changed by those with one."""
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+from conftest import make_llm
+
+from picovllm import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z0-9]{0,3}$"}, "maxItems": 3},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Oslo", "Rome"]}, "zip": {"type": "integer", "maximum": 99}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "kind", "home"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{2,4}-[0-9]{2}"
+CHOICES = ["yes", "no", 'maybe "so"', "ünïcode", "a\\b\nc\x01d"]
+GRAMMAR = 'root ::= "(" num (" + " num)? ")"\nnum ::= [1-9] [0-9]?'
+PROMPTS = ["Hello", "Give me JSON", "a b c", "1 2 3 4"]
+
+
+def _so(**kw) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=5, max_tokens=200, structured_outputs=StructuredOutputsParams(**kw))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen):
+    return make_llm(tiny_qwen[0], block_size=4, max_num_seqs=8)
+
+
+def _texts(llm, prompts, params) -> list[list[str]]:
+    """Each prompt's completions; the constrained ones must have ended with their grammar."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o, p in zip(outs, params if isinstance(params, list) else [params] * len(outs)):
+        assert p.structured_outputs is None or all(c.finish_reason == "stop" for c in o.outputs), o.outputs
+    return [[c.text for c in o.outputs] for o in outs]
+
+
+def test_every_output_follows_its_schema_regex_choice_or_grammar(llm):
+    params = [
+        SamplingParams(
+            n=2, temperature=1.0, seed=1, max_tokens=160, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        ),
+        _so(regex=REGEX),
+        _so(choice=CHOICES),
+        _so(grammar=GRAMMAR),
+    ]
+    schema, regex, choice, grammar = _texts(llm, PROMPTS, params)
+    for text in schema:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert re.fullmatch(REGEX, regex[0]), regex
+    assert choice[0] in CHOICES, choice
+    assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)?\)", grammar[0]), grammar
+    json_text = _texts(llm, PROMPTS[:1], _so(json=json.dumps(SCHEMA)))[0][0]  # (the schema as text)
+    jsonschema.validate(json.loads(json_text), SCHEMA)
+
+
+def test_the_same_with_and_without_async_scheduling_and_under_preemption(tiny_qwen, llm):
+    """Seeded, mixed with unconstrained requests: the synchronous engine, and one whose pool is
+    too small for the batch (requests preempted and recomputed), give the very same outputs."""
+    params = [_so(json=SCHEMA), SamplingParams(temperature=0.8, seed=2, max_tokens=40), _so(regex=REGEX)] * 3
+    prompts = PROMPTS * 2 + PROMPTS[:1]
+    want = _texts(llm, prompts, params)
+    sync = make_llm(tiny_qwen[0], block_size=4, max_num_seqs=8, async_scheduling=False)
+    assert _texts(sync, prompts, params) == want
+    small = make_llm(tiny_qwen[0], block_size=4, max_num_seqs=8, num_gpu_blocks_override=56)
+    assert _texts(small, prompts, params) == want
+    assert small.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_a_request_without_constraints_is_unchanged_by_one_with(llm):
+    free = SamplingParams(temperature=0.9, seed=4, max_tokens=30, ignore_eos=True)
+    alone = llm.generate(["The quick brown fox"], free, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(["The quick brown fox", "Hello"], [free, _so(json=SCHEMA)], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    launched = llm.llm_engine.launcher.num_launched_ahead
+    llm.generate(["The quick brown fox"], free, use_tqdm=False)
+    assert llm.llm_engine.launcher.num_launched_ahead > launched  # (no grammar: the overlap stays)
+
+
+def test_max_tokens_inside_the_grammar_ends_with_length(llm):
+    params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    out = llm.generate(["Hi"], params, use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_a_request_waits_for_its_grammar_without_holding_the_others(llm, monkeypatch):
+    engine = llm.llm_engine
+    release, compile_ = threading.Event(), engine.structured._compile
+    monkeypatch.setattr(engine.structured, "_compile", lambda so: release.wait(30) and compile_(so))
+    engine.add_request("slow", "Hello", _so(regex=REGEX))
+    engine.add_request("free", "Hello", SamplingParams(temperature=0, max_tokens=5))
+    finished = set()
+    for _ in range(50):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if "free" in finished:
+            break
+    assert finished == {"free"} and engine.has_unfinished_requests()
+    engine.add_request("gone", "Hello", _so(regex=REGEX))  # (aborted while it compiles)
+    engine.abort_request("gone")
+    release.set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"free", "slow"} and not engine.structured.compiling
+    engine.check_invariants()
+    assert engine.reset_prefix_cache() and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+@pytest.mark.parametrize(
+    "so, said",
+    [
+        (dict(json={"type": "objectx"}), "structured_outputs has an invalid JSON schema"),
+        (dict(regex="a("), "structured_outputs has an invalid regex"),
+        (dict(grammar="root ::= "), "structured_outputs has an invalid grammar"),
+    ],
+)
+def test_bad_structured_outputs_are_refused_before_anything_runs(llm, so, said):
+    with pytest.raises(ValueError, match=said):
+        llm.generate(["Hello", "Hi"], [SamplingParams(), _so(**so)], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_structured_outputs_params_take_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one of .* got json, regex"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="choice must be non-empty strings"):
+        StructuredOutputsParams(choice=["a", ""])
+    params = SamplingParams.from_dict({"structured_outputs": {"regex": "a+"}})
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
