@@ -18,6 +18,7 @@ from picovllm.entrypoints.args import (
     sampling_parser,
     sampling_values,
 )
+from picovllm.entrypoints.openai.tool_calls import TOOL_PARSERS
 
 GRACEFUL_SHUTDOWN_S = 5  # what open streams get to finish after Ctrl-C before they are cut
 DRAIN_S = 300  # what in-flight requests get to finish after SIGTERM (no new connection is taken)
@@ -233,6 +234,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         web_ui=not args.disable_web_ui,
         max_num_waiting=max_num_waiting(args),
         kv_secret=args.kv_transfer_secret,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     _say(
         f"serving on http://{args.host}:{args.port}{'' if args.disable_web_ui else ' (open it for the chat page)'} "
@@ -349,6 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine on a thread of the server's process, not in a process of its own",
     )
     serve.add_argument("--kv-transfer-secret", default=None, metavar="SECRET", help=_KV_SECRET_HELP)
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help='tool_choice "auto" (the default with tools): the model\'s own tool calls parsed from its output',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=sorted(TOOL_PARSERS),
+        help="the markup of the model's tool calls (hermes: Qwen2.5's <tool_call>...</tool_call>)",
+    )
     serve.set_defaults(func=_cmd_serve, parser=serve)
 
     router = sub.add_parser(

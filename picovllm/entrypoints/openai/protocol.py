@@ -181,6 +181,20 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as a chat template takes it (text content; tool fields when present)."""
+        d = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text is supported
@@ -188,8 +202,39 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments
+
+
+class ChatTool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -85,10 +85,13 @@ def build_app(
     web_ui: bool = True,
     max_num_waiting: int | None = None,
     kv_secret: str | None = None,
+    tool_call_parser: str = "hermes",
+    enable_auto_tool_choice: bool = True,
 ) -> FastAPI:
     """The server's app; web_ui: the page at / (entrypoints/web), with the dashboard's /stats
     (served either way); max_num_waiting: requests that may wait for the engine (None: no bound);
-    kv_secret: a prefill or decode instance's --kv-transfer-secret (see kv_transfer_secret)."""
+    kv_secret: a prefill or decode instance's --kv-transfer-secret (see kv_transfer_secret);
+    tool_call_parser, enable_auto_tool_choice: tool calling (entrypoints/openai/tool_calls.py)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -103,7 +106,15 @@ def build_app(
     engine.on_step = metrics.on_step
     secret = kv_transfer_secret(kv_secret) if engine.kv_role != "both" else None
     app.state.server = ServerState(
-        engine, served_model_name, api_key, sampling_defaults or {}, metrics, max_num_waiting, secret
+        engine,
+        served_model_name,
+        api_key,
+        sampling_defaults or {},
+        metrics,
+        max_num_waiting,
+        secret,
+        tool_call_parser,
+        enable_auto_tool_choice,
     )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)

@@ -80,6 +80,8 @@ class ServerState:
     metrics: ServerMetrics
     max_num_waiting: int | None = None
     kv_transfer_secret: str | None = None  # a prefill or decode instance's: what its router sends
+    tool_call_parser: str = "hermes"  # tool_calls.TOOL_PARSERS: how "auto" finds the model's calls
+    enable_auto_tool_choice: bool = True
     validating: int = 0  # requests past the door, their prompts being validated (not streams yet)
 
     @property
