@@ -83,8 +83,11 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them and generate."""
+        """Apply the model's chat template to one conversation or a list of them (and tools, in
+        OpenAI's format, for templates that take them) and generate. As vLLM's, the outputs are
+        the model's text: a tool call is in it as the model writes it (the server parses it)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (the engine was started without one)")
@@ -94,7 +97,11 @@ class LLM:
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise ValueError("each message must be a dict with 'role' and 'content'")
             text = tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conv,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
             )
             prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

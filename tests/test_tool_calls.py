@@ -206,3 +206,27 @@ def test_the_default_model_answers_under_a_json_schema(qwen):
     ]
     obj = qwen.chat.completions.create(**{**kwargs, "messages": ask, "response_format": {"type": "json_object"}})
     assert json.loads(obj.choices[0].message.content) == {"capital": "Paris"}
+
+
+def test_the_chat_command_shows_a_tool_call_and_takes_its_result(qwen, tmp_path, monkeypatch, capsys):
+    from picovllm.entrypoints.cli import main
+
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    said = iter(["What is the weather like in Paris today?", '/tool {"temperature": 21, "unit": "celsius"}', "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(said))
+    argv = ["chat", "--device", "cpu", "--dtype", "bfloat16", "--max-model-len", "1024", "--temperature", "0"]
+    assert main([*argv, "--max-tokens", "60", "--tools", str(tmp_path / "tools.json")]) == 0
+    out, err = capsys.readouterr()
+    assert 'tool call: get_weather({"city": "Paris"' in err and "21" in out.split("get_weather")[-1], (out, err)
+
+
+def test_llm_chat_passes_the_tools_to_the_template(tiny_qwen):
+    from picovllm import SamplingParams
+
+    llm = LLM(**engine_args(tiny_qwen[0]))
+    template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    msgs = [{"role": "user", "content": "Hi"}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=[WEATHER, TIME])
+    assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == "[get_weather][get_time]Hi"

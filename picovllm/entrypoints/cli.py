@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -162,55 +163,87 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from picovllm.entrypoints.openai.tool_calls import HermesToolParser
     from picovllm.sampling_params import RequestOutputKind
 
     params = sampling_params(args, max_tokens=1024, temperature=0.7, output_kind=RequestOutputKind.DELTA)
+    tools = _read_tools(args.tools) if args.tools else None
     engine = _start(engine_kwargs(args)).llm_engine
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
         raise ValueError("this model has no chat template")
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     _say("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:
         try:
-            user = input("> ")
+            user = input("> ").strip()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        if user.strip() == "/exit":
+        if user == "/exit":
             return 0
-        if user.strip() == "/reset":
+        if user == "/reset":
             history = history[:1] if args.system else []
             _say("(conversation cleared)")
             continue
-        if not user.strip():
+        if not user:
             continue
-        history.append({"role": "user", "content": user})
-        text = engine.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        try:
-            rid = engine.add_request(None, ids, params)
-        except ValueError as e:
-            _say(f"error: {e}")
+        calls = history[-1].get("tool_calls") if history else None
+        if user.startswith("/tool ") and calls:  # (the result of the model's last tool call)
+            history.append({"role": "tool", "tool_call_id": calls[-1]["id"], "content": user[6:]})
+        else:
+            history.append({"role": "user", "content": user})
+        reply = _chat_turn(engine, history, params, tools)
+        if reply is None:
             history.pop()
             continue
-        start, reply, tokens, first = time.perf_counter(), "", 0, None
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    piece = out.outputs[0]
-                    if piece.token_ids and first is None:
-                        first = time.perf_counter()
-                    tokens += len(piece.token_ids)
-                    reply += piece.text
-                    print(piece.text, end="", flush=True)
-        except KeyboardInterrupt:
-            engine.abort_request(rid)
-        print()
-        end = time.perf_counter()
-        if first is not None:
-            rate = f", {(tokens - 1) / (end - first):.1f} tok/s" if tokens > 1 and end > first else ""
-            _say(f"({tokens} tokens, time to first token {1e3 * (first - start):.0f} ms{rate})")
-        history.append({"role": "assistant", "content": reply})
+        content, calls = HermesToolParser({t["function"]["name"] for t in tools}).parse(reply) if tools else (reply, [])
+        for call in calls:
+            _say(f"tool call: {call.name}({call.arguments}); answer it with /tool RESULT")
+        history.append(
+            {"role": "assistant", "content": content, **({"tool_calls": [c.to_dict() for c in calls]} if calls else {})}
+        )
+
+
+def _read_tools(path: str) -> list[dict]:
+    """--tools: a JSON file of tools in OpenAI's format (a list of {"type": "function", ...})."""
+    with open(path) as f:
+        tools = json.load(f)
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and "name" in t.get("function", {}) for t in tools):
+        raise ValueError(f'{path}: tools must be a JSON list of {{"type": "function", "function": {{"name": ...}}}}')
+    return tools
+
+
+def _chat_turn(engine, history: list[dict], params, tools: list[dict] | None) -> str | None:
+    """The model's reply to the conversation, streamed to the terminal (None: it was refused)."""
+    from picovllm.entrypoints.openai.tool_calls import template_messages
+
+    text = engine.tokenizer.apply_chat_template(
+        template_messages(history), tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    try:
+        rid = engine.add_request(None, ids, params)
+    except ValueError as e:
+        _say(f"error: {e}")
+        return None
+    start, reply, tokens, first = time.perf_counter(), "", 0, None
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                piece = out.outputs[0]
+                if piece.token_ids and first is None:
+                    first = time.perf_counter()
+                tokens += len(piece.token_ids)
+                reply += piece.text
+                print(piece.text, end="", flush=True)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+    print()
+    end = time.perf_counter()
+    if first is not None:
+        rate = f", {(tokens - 1) / (end - first):.1f} tok/s" if tokens > 1 and end > first else ""
+        _say(f"({tokens} tokens, time to first token {1e3 * (first - start):.0f} ms{rate})")
+    return reply
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -324,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens 1024 --temperature 0.7.",
     )
     chat.add_argument("--system", default=None, help="a system prompt")
+    chat.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="a JSON file of tools (OpenAI's format) the model may call; /tool RESULT answers a call",
+    )
     chat.set_defaults(func=_cmd_chat, parser=chat)
 
     serve = sub.add_parser(
