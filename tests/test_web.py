@@ -4,6 +4,7 @@ counters moving, a wrong API key shown as an error, screenshots at desktop and p
 (saved under $PICOVLLM_TEST_ARTIFACTS, default a temporary folder, and checked not blank).
 Needs Debian's chromium and chromium-driver (`apt-get install chromium chromium-driver`)."""
 
+import json
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ if not (CHROMIUM and DRIVER):
     pytest.skip("no browser: apt-get install chromium chromium-driver", allow_module_level=True)
 
 from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine  # noqa: E402
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
@@ -194,3 +195,37 @@ def test_markdown_is_rendered_from_escaped_text(servers, browser):
     assert "<ul><li>one</li><li>two</li></ul>" in html
     assert "<pre><code>print('&lt;b&gt;')</code></pre>" in html
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def _fill(driver, field: str, text: str) -> None:
+    box = driver.find_element(By.ID, field)
+    box.clear()
+    box.send_keys(text)
+
+
+def test_a_json_schema_shapes_the_answer_and_tool_calls_show_as_calls(servers, browser):
+    import jsonschema
+
+    url = servers[0]
+    schema = {"type": "object", "properties": {"tag": {"enum": ["red", "blue"]}}, "required": ["tag"]}
+    _open(browser, url)
+    _fill(browser, "max_tokens", "80")
+    _fill(browser, "json_schema", "{not json")
+    _send(browser, QUESTION)
+    error = _wait(browser, lambda d: d.find_element(By.ID, "error") if d.find_element(By.ID, "error").text else None)
+    assert "The JSON schema is not JSON" in error.text
+    _fill(browser, "json_schema", json.dumps(schema))
+    browser.find_element(By.ID, "regenerate").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+    jsonschema.validate(json.loads(_stored(browser)[-1]["content"]), schema)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+    _fill(browser, "json_schema", "")
+    _fill(browser, "tools", json.dumps([tool]))
+    Select(browser.find_element(By.ID, "tool_choice")).select_by_visible_text("required")
+    browser.find_element(By.ID, "regenerate").click()
+    call = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .tool-call"))[0]
+    assert call.text.startswith("tool call: pick({")
+    (stored,) = _stored(browser)[-1]["tool_calls"]
+    jsonschema.validate(json.loads(stored["function"]["arguments"]), schema)
+    _screenshot(browser, "chat-tool-call")
+    _fill(browser, "tools", "")

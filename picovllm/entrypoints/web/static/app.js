@@ -5,7 +5,7 @@
 
 const $ = (id) => document.getElementById(id);
 const STORE = "picovllm.chat";
-const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed", "stop", "api_key"];
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed", "stop", "json_schema", "tools", "tool_choice", "api_key"];
 let messages = JSON.parse(localStorage.getItem(STORE) || "[]"); // {role, content, stats?, error?}
 let controller = null; // the reply being streamed
 let model = null;
@@ -104,6 +104,12 @@ function render() {
     div.className = `msg ${m.role}${m.error ? " failed" : ""}`;
     if (m.role === "assistant") div.innerHTML = markdown(m.content);
     else div.textContent = m.content;
+    for (const call of m.tool_calls || []) {
+      const c = document.createElement("div");
+      c.className = "tool-call";
+      c.textContent = `tool call: ${call.function.name}(${call.function.arguments})`;
+      div.appendChild(c);
+    }
     if (m.stats || m.error) {
       const s = document.createElement("div");
       s.className = m.error ? "stats error-text" : "stats";
@@ -120,7 +126,8 @@ function requestBody() {
     model, stream: true, stream_options: { include_usage: true },
     messages: [
       ...($("system").value.trim() ? [{ role: "system", content: $("system").value }] : []),
-      ...messages.filter((m) => !m.error || m.content).map((m) => ({ role: m.role, content: m.content })),
+      ...messages.filter((m) => !m.error || m.content).map((m) => (
+        m.tool_calls ? { role: m.role, content: m.content, tool_calls: m.tool_calls } : { role: m.role, content: m.content })),
     ],
     temperature: Number($("temperature").value),
     top_p: Number($("top_p").value),
@@ -129,11 +136,42 @@ function requestBody() {
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   const stop = $("stop").value.split("\n").filter((s) => s);
   if (stop.length) body.stop = stop;
+  const schema = parsed("json_schema", "The JSON schema");
+  if (schema) body.response_format = { type: "json_schema", json_schema: { name: "answer", schema } };
+  const tools = parsed("tools", "The tools");
+  if (tools) Object.assign(body, { tools, tool_choice: $("tool_choice").value });
   return body;
 }
 
+// A settings box's JSON (null when empty); an Error saying which box when it does not parse.
+function parsed(id, what) {
+  const text = $(id).value.trim();
+  if (!text) return null;
+  try {
+    return JSON.parse(text);
+  } catch (e) {
+    throw new Error(`${what} is not JSON: ${e.message}`);
+  }
+}
+
+// A streamed chat chunk's tool-call deltas, added to the answer's calls (by index, as OpenAI sends them).
+function addToolCalls(answer, deltas) {
+  answer.tool_calls = answer.tool_calls || [];
+  for (const d of deltas) {
+    const call = answer.tool_calls[d.index] ||= { id: d.id, type: "function", function: { name: "", arguments: "" } };
+    if (d.function && d.function.name) call.function.name = d.function.name;
+    if (d.function && d.function.arguments) call.function.arguments += d.function.arguments;
+  }
+}
+
 async function reply() {
-  const body = requestBody();
+  let body;
+  try {
+    body = requestBody();
+  } catch (e) {
+    showError(e.message);
+    return;
+  }
   const answer = { role: "assistant", content: "" };
   messages.push(answer);
   render();
@@ -162,10 +200,11 @@ async function reply() {
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message || "the server failed");
         if (chunk.usage) usage = chunk.usage;
-        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
-        if (delta) {
+        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+        if (delta && (delta.content || delta.tool_calls)) {
           if (first === null) first = performance.now();
-          answer.content += delta;
+          answer.content += delta.content || "";
+          if (delta.tool_calls) addToolCalls(answer, delta.tool_calls);
           render();
         }
       }
