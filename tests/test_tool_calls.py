@@ -68,6 +68,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
         ("{not a call", "{not a call", []),
         ('```json\n{"name": "g", "arguments": {}}\n```', "", [("g", {})]),
         ("``", "``", []),
+        ('{"name": "f", "arguments": {}}\n{"name": "g", "arguments": {"z": 2}}', "", [("f", {}), ("g", {"z": 2})]),
+        ('{"name": "f", "arguments": {}} and more', '{"name": "f", "arguments": {}} and more', []),
         ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
     ],
 )

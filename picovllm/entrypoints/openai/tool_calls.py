@@ -131,8 +131,8 @@ class ToolParser:
 
 class HermesToolParser(ToolParser):
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes; Qwen2.5's template asks
-    for it), and an answer that is nothing but such an object, untagged or in a ```json fence
-    (small Qwen2.5 models often leave the tags out), when it names one of the tools. Text that only might be the start
+    for it), and an answer that is nothing but such objects, untagged or in a ```json fence
+    (small Qwen2.5 models often leave the tags out), when each names one of the tools. Text that only might be the start
     of a call is held until it is known; a block that does not parse as a call, or is cut off,
     stays text."""
 
@@ -179,11 +179,8 @@ class HermesToolParser(ToolParser):
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest = (self.OPEN if self.in_call else "") + self.buffer
         self.buffer, self.in_call = "", False
-        if self.bare:
-            call = _hermes_call(_unfenced(rest))
-            if call is not None and call.name in self.tool_names:
-                return "", [call]
-        return rest, []
+        calls = _bare_calls(rest, self.tool_names) if self.bare else None
+        return ("", calls) if calls else (rest, [])
 
 
 def _hermes_call(block: str) -> ToolCall | None:
@@ -195,6 +192,23 @@ def _hermes_call(block: str) -> ToolCall | None:
         return None
     args = call.get("arguments", call.get("parameters", {}))
     return ToolCall(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _bare_calls(text: str, tool_names: set[str]) -> list[ToolCall] | None:
+    """The calls of an answer that is nothing but call objects one after another (untagged, or
+    in a code fence), each naming one of the tools; None if it is anything else."""
+    text, calls, decoder = _unfenced(text), [], json.JSONDecoder()
+    while text:
+        try:
+            obj, end = decoder.raw_decode(text)
+        except ValueError:
+            return None
+        call = _hermes_call(json.dumps(obj))
+        if call is None or call.name not in tool_names:
+            return None
+        calls.append(call)
+        text = text[end:].lstrip()
+    return calls
 
 
 def _unfenced(text: str) -> str:
