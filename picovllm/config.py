@@ -178,7 +178,9 @@ class EngineConfig:
         "dummy:SHAPE for random weights (default: qwen2.5-coder-0.5b-instruct)",
         flags=("--model", "-m"),
     )
-    tokenizer: str | None = option(None)  # (default: the model's)
+    tokenizer: str | None = option(
+        None, "a directory to load the tokenizer from (default: the model's; a dummy model has none unless given)"
+    )
     dtype: str = option("auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's)")
     device: str = option("auto", "auto, cpu or cuda (auto: cuda when available)")
     seed: int = option(0)  # (the command line's is the sampling option --seed)

@@ -40,6 +40,22 @@ def test_throughput(tiny_qwen, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "throughput"
 
 
+def test_structured_runs_both_ways_with_the_same_shape(tiny_qwen, capsys):
+    """A dummy model with a tokenizer given: the constrained run decodes as many tokens as the
+    unconstrained one, every request ended by its length (the schema is never complete)."""
+    from picovllm.bench.structured import run_structured
+    from picovllm.entrypoints.cli import main
+
+    kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20}
+    result = run_structured(kwargs, batch_size=3, input_len=8, output_len=12)
+    free, constrained = result["runs"]
+    assert free["tokens"] == constrained["tokens"] == 36 and free["lengths"] == constrained["lengths"] == 3
+    assert constrained["vs_unconstrained"] > 0 and result["typical_schema_compile_ms"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "structured"
+    argv = ["bench", "structured", "--model", "dummy:qwen2.5-0.5b", "--tokenizer", tiny_qwen[0], "--device", "cpu"]
+    assert main([*argv, "--batch-size", "2", "--input-len", "4", "--output-len", "3", "--max-model-len", "64"]) == 0
+
+
 def test_prefix_scenarios(tiny_qwen, capsys):
     # as the CLI passes them: the engine options include the prefix-caching flag, which it overrides
     kwargs = {

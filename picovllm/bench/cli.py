@@ -1,4 +1,4 @@
-"""`picovllm bench latency|throughput|prefix|preemption|serve|pd`."""
+"""`picovllm bench latency|throughput|prefix|preemption|serve|structured|pd`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _rate(s: str) -> float:
 
 
 def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, preemption, serve, pd")
+    bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, preemption, serve, structured, pd")
     bench.set_defaults(parser=bench)
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
 
@@ -126,6 +126,19 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     )
     srv.set_defaults(func=_serve, parser=srv)
 
+    st = kinds.add_parser(
+        "structured",
+        parents=[engine_parser],
+        help="structured outputs' cost: decode under a JSON schema against unconstrained",
+        description="A batch decodes the same number of tokens unconstrained, then under a JSON schema; "
+        "and the grammar compile times. A dummy model needs --tokenizer DIR.",
+    )
+    st.add_argument("--batch-size", type=positive_int, default=64)
+    st.add_argument("--input-len", type=positive_int, default=128)
+    st.add_argument("--output-len", type=positive_int, default=256)
+    st.add_argument("--seed", type=non_negative_int, default=0)
+    st.set_defaults(func=_structured, parser=st)
+
     pd = kinds.add_parser(
         "pd",
         parents=[engine_parser],
@@ -148,6 +161,13 @@ def _latency(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs.pop("max_num_seqs")
     run_latency(kwargs, args.batch_sizes, args.input_len, args.output_len, args.hf, args.seed, args.repeat, args.plot)
+    return 0
+
+
+def _structured(args: argparse.Namespace) -> int:
+    from picovllm.bench.structured import run_structured
+
+    run_structured(engine_kwargs(args), args.batch_size, args.input_len, args.output_len, args.seed)
     return 0
 
 

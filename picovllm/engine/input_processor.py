@@ -73,8 +73,9 @@ def process_prompt(
 
 
 def tokenizer_source(config: EngineConfig, model_path: str | None) -> str | None:
-    """Where the engine's tokenizer comes from (None: it runs on token ids only)."""
-    if model_path is None or config.skip_tokenizer_init:
+    """Where the engine's tokenizer comes from (None: it runs on token ids only; a dummy model
+    has none unless one is given)."""
+    if config.skip_tokenizer_init:
         return None
     return config.tokenizer or model_path
 
