@@ -73,11 +73,16 @@ def test_every_output_follows_its_schema_regex_choice_or_grammar(llm):
 
 
 def test_the_same_with_and_without_async_scheduling_and_under_preemption(tiny_qwen, llm):
-    """Seeded, mixed with unconstrained requests: the synchronous engine, and one whose pool is
-    too small for the batch (requests preempted and recomputed), give the very same outputs."""
+    """Seeded, mixed with unconstrained requests: the engine that launches steps ahead (their
+    sampling deferred until the grammars have the tokens in flight), the synchronous engine and
+    one whose pool is too small for the batch (requests preempted and recomputed) give the very
+    same outputs."""
     params = [_so(json=SCHEMA), SamplingParams(temperature=0.8, seed=2, max_tokens=40), _so(regex=REGEX)] * 3
     prompts = PROMPTS * 2 + PROMPTS[:1]
+    before = llm.llm_engine.launcher.num_launched_ahead
     want = _texts(llm, prompts, params)
+    # (steps were launched ahead of constrained requests' tokens: their sampling waited for them)
+    assert llm.llm_engine.launcher.num_launched_ahead > before + 100
     sync = make_llm(tiny_qwen[0], block_size=4, max_num_seqs=8, async_scheduling=False)
     assert _texts(sync, prompts, params) == want
     small = make_llm(tiny_qwen[0], block_size=4, max_num_seqs=8, num_gpu_blocks_override=56)

@@ -99,9 +99,10 @@ class LLMEngine:
     def process_prompt(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Validate a prompt against this engine's model and limits (see process_prompt), and its
         structured outputs' schema, regex or grammar."""
+        text, ids = process_prompt(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs, self.tokenizer)
-        return process_prompt(prompt, params, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        return text, ids
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError (and queues nothing) on bad input."""
@@ -238,6 +239,7 @@ class LLMEngine:
         tokens = sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
         outputs = self.output_processor.process(step.reqs, tokens, sampled)
+        self.launcher.sample_deferred()  # (the step launched ahead, if its grammars waited for these tokens)
         if not self.groups:
             self.launcher.reset()  # nothing left to read from a step launched ahead
             self.executor.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)

@@ -26,12 +26,14 @@ from picovllm.messages import ExecuteStep, ModelRunnerOutput, SamplingBatch, Ste
 
 class LaunchedStep(NamedTuple):
     """A launched forward: its batch, the requests that sample, their samples on the way to the
-    host (None: no row samples), and its number (BlockManager.step_launched)."""
+    host (None: no row samples, or not yet: deferred), its number (BlockManager.step_launched),
+    and whether its samples wait for its grammars' bitmask (StepLauncher.sample_deferred)."""
 
     batch: ScheduledBatch
     reqs: list[Request]
     out: ModelRunnerOutput | None
     number: int
+    deferred: bool = False
 
 
 def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | None = None) -> StepInputs:
@@ -56,15 +58,14 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | N
 
 
 def _reads_output(req: Request) -> bool:
-    """Whether req's next sample depends on its output so far: penalties, a min_tokens ban, or a
-    grammar (its next bitmask)."""
-    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens or req.grammar is not None
+    """Whether req's next sample depends on its output so far: penalties, or a min_tokens ban."""
+    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens
 
 
-def sampling_batch(reqs: list[Request], finished_ids: list[str], vocab_size: int) -> SamplingBatch:
+def sampling_batch(reqs: list[Request], finished_ids: list[str], vocab_size: int | None) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data (a pending row's output so
-    far lacks its token in flight: launching ahead is off with penalties, a min_tokens ban or a
-    grammar)."""
+    far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban),
+    with their grammars' bitmask unless vocab_size is None (it is filled later: deferred)."""
     penalties = any(r.params.has_penalties for r in reqs)
     return SamplingBatch(
         [r.request_id for r in reqs],
@@ -74,7 +75,7 @@ def sampling_batch(reqs: list[Request], finished_ids: list[str], vocab_size: int
         [r.prompt_token_ids for r in reqs] if penalties else None,
         [r.output_token_ids for r in reqs] if penalties else None,
         finished_ids,
-        grammar_bitmask(reqs, vocab_size),
+        None if vocab_size is None else grammar_bitmask(reqs, vocab_size),
     )
 
 
@@ -125,18 +126,29 @@ class StepLauncher:
         self, batch: ScheduledBatch, num_pending: int = 0, pending_rows: list[int] | None = None
     ) -> LaunchedStep:
         """Launch the batch's forward; its first num_pending rows decode the tokens the step
-        before sampled (rows pending_rows of them; None: all), still on the device."""
+        before sampled (rows pending_rows of them; None: all), still on the device. A step
+        launched so whose sampling rows include a grammar's samples once those tokens are read
+        and its bitmask filled (sample_deferred): the forward runs meanwhile."""
         step = step_inputs(batch, num_pending, self.block_manager.take_copies())
         # the requests whose last token this step computes (step.sample): each samples one token
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
-        sampling = self._sampling_batch(reqs) if reqs else None
-        out = self.executor.execute_step(ExecuteStep(step, num_pending, pending_rows), sampling)
+        defer = num_pending > 0 and any(r.grammar is not None for r in reqs)
+        sampling = self._sampling_batch(reqs, defer) if reqs else None
+        out = self.executor.execute_step(ExecuteStep(step, num_pending, pending_rows), sampling, defer)
         number = self.block_manager.step_launched()
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        return LaunchedStep(batch, reqs, out, number)
+        return LaunchedStep(batch, reqs, out, number, defer)
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+    def sample_deferred(self) -> None:
+        """After the tokens of the step before it are processed (its grammars' matchers have taken
+        them): the step launched ahead samples under its bitmask."""
+        step = self.inflight
+        if step is not None and step.deferred:
+            out = self.executor.sample_deferred(grammar_bitmask(step.reqs, self.vocab_size))
+            self.inflight = step._replace(out=out, deferred=False)
+
+    def _sampling_batch(self, reqs: list[Request], deferred: bool = False) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
         has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
         reached); else a new one. This is the one place that decides: rank 0's model runner
@@ -145,9 +157,10 @@ class StepLauncher:
         last = self._last_sampling
         if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             return last[1]
-        batch = sampling_batch(reqs, finished, self.vocab_size)
-        # (a batch is sent once with the ids of the requests finished before it)
-        static = not finished and not any(map(_reads_output, reqs))
+        batch = sampling_batch(reqs, finished, None if deferred else self.vocab_size)
+        # (a batch is sent once with the ids of the requests finished before it; a grammar's
+        # bitmask changes every step)
+        static = not finished and not any(_reads_output(r) or r.grammar is not None for r in reqs)
         self._last_sampling = (reqs, batch) if static else None
         return batch
 
@@ -155,7 +168,8 @@ class StepLauncher:
         """Launch the step that follows `step` before its tokens are read, when its schedule does
         not depend on them (Scheduler.schedule_ahead): the requests that sampled in `step` decode
         the tokens it sampled, the others' prompt chunks and new admissions follow; not when a
-        request's sampling depends on its output so far (penalties, a min_tokens ban, a grammar)."""
+        request's sampling depends on its output so far (penalties, a min_tokens ban; a grammar's
+        bitmask waits for the tokens instead: launch's defer)."""
         reqs = step.reqs
         if not reqs:
             return None

@@ -9,8 +9,10 @@ ends ("stop") once its grammar is complete, or with "length" if max_tokens comes
 Grammars compile off the step's path, on a thread of their own (xgrammar keeps a cache of what
 it compiled): a request waits for its grammar outside the scheduler
 (RequestStatus.WAITING_FOR_GRAMMAR) while the others go on. A request's next bitmask needs its
-last token on the host, so a step is not launched ahead of one in which a constrained request
-samples (StepLauncher.launch_ahead); steps without one keep the overlap.
+last token on the host; with async scheduling, a step launched ahead of that token runs its
+forward at once and samples later (StepLauncher.launch's defer, then sample_deferred), once the
+token is read and the bitmask filled, as SGLang's overlap scheduler does: the forward still
+overlaps the host's work, only the sampling waits for it.
 
 JSON is constrained to its compact form (no free whitespace between tokens): a model can then
 not pad an answer with whitespace until max_tokens.
@@ -137,11 +139,12 @@ class StructuredOutputManager:
 
 def grammar_bitmask(reqs: list[Request], vocab_size: int) -> torch.Tensor | None:
     """[rows, ceil(vocab_size / 32)] int32 bits of the tokens each sampling row may take next
-    (rows without a grammar: all), on the host; None when no row has a grammar."""
+    (rows without a grammar, or finished since they were launched: all), on the host; None when
+    no row has a grammar."""
     if all(r.grammar is None for r in reqs):
         return None
     mask = _xgr().allocate_token_bitmask(len(reqs), vocab_size)
     for i, req in enumerate(reqs):
-        if req.grammar is not None:
+        if req.grammar is not None and not req.is_finished:
             req.grammar.fill_next_token_bitmask(mask, i)
     return mask

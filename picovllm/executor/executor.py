@@ -123,9 +123,16 @@ class Executor:
     def collective_rpc(self, cmd: WorkerCommand) -> list:
         return self._run(cmd, lambda: self.driver.handle(cmd))
 
-    def execute_step(self, cmd: ExecuteStep, sampling: SamplingBatch | None) -> ModelRunnerOutput | None:
-        """One step on every rank; rank 0 samples `sampling`'s rows (Worker.execute_step)."""
-        return self._run(cmd, lambda: self.driver.execute_step(cmd, sampling))[0]
+    def execute_step(
+        self, cmd: ExecuteStep, sampling: SamplingBatch | None, defer: bool = False
+    ) -> ModelRunnerOutput | None:
+        """One step on every rank; rank 0 samples `sampling`'s rows (Worker.execute_step), or
+        with defer keeps their logits for sample_deferred."""
+        return self._run(cmd, lambda: self.driver.execute_step(cmd, sampling, defer))[0]
+
+    def sample_deferred(self, bitmask) -> ModelRunnerOutput:
+        """Rank 0 samples the step executed with defer, under bitmask (its grammars')."""
+        return self.driver.sample_deferred(bitmask)
 
     def num_kv_blocks(self) -> int:
         """The KV blocks every rank can hold (each sizes its pool from its own device's memory)."""

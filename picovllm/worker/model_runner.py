@@ -8,6 +8,7 @@ generators kept here, by request id, until the engine says they finished.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
@@ -22,7 +23,7 @@ from picovllm.model.layers.attention import prefill_work_items
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.worker.inputs import ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
-from picovllm.worker.sampler import Sampler, SamplingTensors
+from picovllm.worker.sampler import Sampler, SamplingTensors, pinned_to
 
 logger = logging.getLogger("picovllm")
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.upload = Uploader(device)
         self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None
+        self._deferred: tuple[torch.Tensor, SamplingTensors] | None = None  # (run with defer: its logits)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None  # (the KV cache's host tier, kv_offload_memory)
@@ -290,13 +292,25 @@ class ModelRunner:
         sampling: SamplingBatch | None,
         pending: torch.Tensor | None = None,
         num_pending: int = 0,
+        defer: bool = False,
     ) -> SamplerOutput | None:
         """One forward and, when rows sample (sampling: one row per step.sample, on rank 0), their
-        samples. pending, num_pending: see prepare()."""
+        samples. pending, num_pending: see prepare(). defer: the samples wait for the bitmask of
+        the rows' grammars (sample_deferred); the logits are kept until then."""
         logits = self.step_logits(step, pending, num_pending)
         # The sampling parameters are built while the forward runs (host time that a lone
         # request's first token would otherwise wait for); they reach
         # the device through pinned memory, which never waits for the queued forward.
         if sampling is None or not sampling.num_rows:
             return None
+        if defer:
+            self._deferred = (logits, self._sampling_tensors(sampling))
+            return None
         return self.sampler(logits, self._sampling_tensors(sampling))
+
+    def sample_deferred(self, bitmask: torch.Tensor | None) -> SamplerOutput:
+        """The samples of the step run with defer, under bitmask (its rows' grammars)."""
+        (logits, tensors), self._deferred = self._deferred, None
+        if bitmask is not None:
+            tensors = dataclasses.replace(tensors, bitmask=pinned_to(bitmask, self.device))
+        return self.sampler(logits, tensors)

@@ -84,7 +84,7 @@ class SamplingTensors:
             generators=generators,
             all_greedy=all_greedy,
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            bitmask=None if batch.bitmask is None else _pinned_to(batch.bitmask, device),
+            bitmask=None if batch.bitmask is None else pinned_to(batch.bitmask, device),
         )
 
 
@@ -98,10 +98,11 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     from pinned memory with non_blocking. (torch.tensor(values, device="cuda") copies from pageable
     memory and synchronises the stream: with a step launched ahead, every change of the sampling
     requests would wait there for the running step.)"""
-    return _pinned_to(torch.tensor(values, dtype=dtype), device)
+    return pinned_to(torch.tensor(values, dtype=dtype), device)
 
 
-def _pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device, through pinned memory (see to_device)."""
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 

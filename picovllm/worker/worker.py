@@ -20,6 +20,7 @@ from picovllm.messages import (
     ModelRunnerOutput,
     PollKV,
     PullKV,
+    SamplerOutput,
     SamplingBatch,
     Shutdown,
     WorkerCommand,
@@ -70,17 +71,25 @@ class Worker:
                 return runner.kv_transfer.poll()
         raise TypeError(f"not a worker command: {cmd!r}")
 
-    def execute_step(self, cmd: ExecuteStep, sampling: SamplingBatch | None = None) -> ModelRunnerOutput | None:
+    def execute_step(
+        self, cmd: ExecuteStep, sampling: SamplingBatch | None = None, defer: bool = False
+    ) -> ModelRunnerOutput | None:
         """The step's forward; on rank 0 (sampling: its rows) the samples too, on their way to the
-        host. The pending rows' tokens are rank 0's last samples (ExecuteStep)."""
+        host, unless defer: then they wait for sample_deferred. The pending rows' tokens are rank
+        0's last samples (ExecuteStep)."""
         pending = None
         if cmd.num_pending and self._sampled is not None:
             pending = self._sampled
             if cmd.pending_rows is not None:
                 pending = pending[to_device(cmd.pending_rows, torch.long, pending.device)]
-        out = self.model_runner.run(cmd.step, sampling, pending, cmd.num_pending)
-        if out is None:
-            return None
+        out = self.model_runner.run(cmd.step, sampling, pending, cmd.num_pending, defer)
+        return None if out is None else self._sampled_out(out)
+
+    def sample_deferred(self, bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+        """Rank 0: the samples of the step run with defer, under its grammars' bitmask."""
+        return self._sampled_out(self.model_runner.sample_deferred(bitmask))
+
+    def _sampled_out(self, out: SamplerOutput) -> ModelRunnerOutput:
         self._sampled = out.sampled
         return ModelRunnerOutput.to_host(out)
 
