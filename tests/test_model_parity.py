@@ -111,3 +111,34 @@ def test_preemption_keeps_outputs_exact(tiny_llama):
     for i, p in enumerate(prompts):
         ref, gaps = hf_greedy(hf, p, n_tokens)
         assert_greedy_match(done[str(i)].outputs[0].token_ids, ref, gaps, TOL)
+
+
+def test_packed_cpu_weights_are_as_close_to_fp32_as_the_plain_path(tiny_qwen, monkeypatch):
+    """On a CPU whose oneDNN has a bf16 GEMM (torch says so), the weights are packed into its
+    layout (model/layers/linear.py pack_weights), the tied LM head's embedding untouched. Its
+    GEMM rounds in another order than F.linear's, so the check is against transformers in fp32:
+    the packed path's bf16 logits are no further from them than the plain path's (and close)."""
+    from picovllm.model.layers import linear
+
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM: the plain path is the only one")
+    path, hf = tiny_qwen
+    prompts = _prompts(307, [3, 16, 40])
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+
+    def error():
+        engine = make_llm(path, dtype="bfloat16", device="cpu", skip_tokenizer_init=True).llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=1))
+        model = engine.executor.driver.model_runner.model
+        logits = engine.executor.driver.model_runner.step_logits(step_inputs(engine.scheduler.schedule()))
+        return (logits.float() - want).abs().max().item(), model
+
+    packed, model = error()
+    assert model.lm_head.weight.is_mkldnn and not model.model.embed_tokens.weight.is_mkldnn
+    assert all(m.weight.is_mkldnn for m in model.modules() if isinstance(m, linear.LinearBase))
+    monkeypatch.setattr("picovllm.worker.model_runner.pack_weights", lambda model: 0)
+    plain, model = error()
+    assert not model.lm_head.weight.is_mkldnn
+    assert packed <= 1.5 * plain + 1e-3 and packed < 0.05 * want.abs().max(), (packed, plain)

@@ -20,6 +20,7 @@ from picovllm.distributed.kv_transfer.nixl import NixlKVTransfer
 from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.messages import SamplerOutput, SamplingBatch, StepInputs
 from picovllm.model.layers.attention import prefill_work_items
+from picovllm.model.layers.linear import pack_weights
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.worker.inputs import ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
@@ -59,6 +60,8 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         self.eos_ids = eos_ids
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
+        if device.type == "cpu":
+            pack_weights(self.model)
         self.sampler = Sampler()
         self.upload = Uploader(device)
         self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None

@@ -47,13 +47,37 @@ def linear(
         )
     if norm is not None:
         x = norm(x)
-    if residual is not None and bias is None and not silu_mul and x.dim() == 2:
+    if weight.is_mkldnn:  # (oneDNN's own layout on a CPU: pack_weights)
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    elif residual is not None and bias is None and not silu_mul and x.dim() == 2:
         return residual.addmm_(x, weight.t())  # the add in the GEMM's epilogue: no kernel of its own
     else:
         y = F.linear(x, weight, bias)
     if silu_mul:
         y = silu_mul_op(y)
     return y if residual is None else residual.add_(y)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """On a CPU whose oneDNN has a GEMM for the weights' dtype (bf16 or fp16, as torch reports),
+    every linear layer's weight, the LM head's included, in oneDNN's blocked layout, which
+    linear() hands to oneDNN's own linear: the GEMM PyTorch's F.linear runs, without re-reading
+    the weight in the layout it was loaded in (Inductor packs CPU weights the same way). A
+    packed weight takes the place of the plain one (a tied LM head keeps the embedding's).
+    Returns how many weights were packed (0: none, the plain path)."""
+    dtype = next(model.parameters()).dtype
+    supported = {
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+    }.get(dtype)
+    if not torch.backends.mkldnn.is_available() or supported is None or not supported():
+        return 0
+    from picovllm.model.layers.embedding import ParallelLMHead
+
+    layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    for m in layers:
+        m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1), requires_grad=False)
+    return len(layers)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
