@@ -142,3 +142,18 @@ def test_packed_cpu_weights_are_as_close_to_fp32_as_the_plain_path(tiny_qwen, mo
     plain, model = error()
     assert not model.lm_head.weight.is_mkldnn
     assert packed <= 1.5 * plain + 1e-3 and packed < 0.05 * want.abs().max(), (packed, plain)
+
+
+def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch):
+    """Where torch reports no bf16 GEMM in oneDNN, nothing is packed: the layers run F.linear on
+    the weights as loaded, in the model's dtype (the op transformers runs), and fp32 is never packed."""
+    from picovllm.model.layers.linear import LinearBase, pack_weights
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    engine = make_llm(tiny_qwen[0], dtype="bfloat16", device="cpu").llm_engine
+    model = engine.executor.driver.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and not any(m.weight.is_mkldnn for m in linears) and not model.lm_head.weight.is_mkldnn
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears) and pack_weights(model) == 0
+    fp32 = make_llm(tiny_qwen[0], dtype="float32", device="cpu").llm_engine.executor.driver.model_runner.model
+    assert pack_weights(fp32) == 0
