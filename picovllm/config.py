@@ -159,12 +159,33 @@ class Bounds:
         return f"must be in {'(' if self.low_open else '['}{self.low}, {self.high}]"
 
 
-def option(default, help: str | None = None, *, bounds: Bounds | None = None, flags: tuple = (), scope="engine"):
+def option(
+    default, help: str | None = None, *, bounds: Bounds | None = None, check=None, flags: tuple = (), scope="engine"
+):
     """An EngineConfig field, declared with everything its checks and its command-line flag need:
-    help (None: not on the command line), bounds (a number's), flags (default: --the-name),
-    scope ("engine": every command's; "serve": the server's alone). entrypoints/args.py builds
-    the parser from these, docs/options.md is made from them, EngineConfig.validate checks them."""
-    return field(default=default, metadata={"help": help, "bounds": bounds, "flags": flags, "scope": scope})
+    help (None: not on the command line), bounds (a number's), check (value -> what is wrong with
+    it, or None), flags (default: --the-name), scope ("engine": every command's; "serve": the
+    server's alone). entrypoints/args.py builds the parser from these (so a value is refused as
+    the command line is parsed), docs/options.md is made from them, EngineConfig.validate checks them."""
+    metadata = {"help": help, "bounds": bounds, "check": check, "flags": flags, "scope": scope}
+    return field(default=default, metadata=metadata)
+
+
+def _dtype_problem(value) -> str | None:
+    if isinstance(value, torch.dtype) and value in _DTYPES.values() or value == "auto" or value in _DTYPES:
+        return None
+    return "must be auto, bfloat16, float16 or float32 (or bf16, fp16, half, fp32, float)"
+
+
+def _device_problem(value) -> str | None:
+    if str(value) == "auto":
+        return None
+    try:
+        if torch.device(value).type in ("cpu", "cuda"):
+            return None
+    except (RuntimeError, TypeError):
+        pass
+    return "must be auto, cpu or cuda (cuda:N for one GPU)"
 
 
 @dataclass
@@ -181,8 +202,8 @@ class EngineConfig:
     tokenizer: str | None = option(
         None, "a directory to load the tokenizer from (default: the model's; a dummy model has none unless given)"
     )
-    dtype: str = option("auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's)")
-    device: str = option("auto", "auto, cpu or cuda (auto: cuda when available)")
+    dtype: str = option("auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's)", check=_dtype_problem)
+    device: str = option("auto", "auto, cpu or cuda (auto: cuda when available)", check=_device_problem)
     seed: int = option(0)  # (the command line's is the sampling option --seed)
     block_size: int = option(16, "tokens per KV-cache block", bounds=Bounds(1))
     max_num_seqs: int = option(256, "most requests in a batch", bounds=Bounds(1))
@@ -331,6 +352,8 @@ def field_problem(f, value) -> str | None:
         return "must be an integer"
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
         return "must be a number"
+    if (check := f.metadata.get("check")) is not None:
+        return check(value)
     if kind is str and not isinstance(value, str):
         return "must be a string"
     bounds = f.metadata.get("bounds")

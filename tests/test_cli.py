@@ -55,6 +55,11 @@ def test_engine_options_are_declared_once(capsys):
     assert "invalid choice: 'middle'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="kv_role must be 'prefill', 'decode' or 'both', got 'middle'"):
         EngineConfig(kv_role="middle").validate()
+    import torch
+
+    EngineConfig(dtype=torch.bfloat16, device=torch.device("cpu")).validate()  # (the Python API's types too)
+    with pytest.raises(ValueError, match="dtype must be auto, bfloat16"):
+        EngineConfig(dtype=torch.int8).validate()
 
 
 def test_generate_prompts_and_file(tiny_qwen, tmp_path, capsys):
@@ -123,6 +128,8 @@ def test_bad_options_get_the_subcommand_usage_and_numbers_are_checked(capsys):
         (["chat", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["generate", "--temperature", "x", "hi"], "'x' is not a number"),
         (["bench", "latency", "--batch-sizes", "1,0"], "must be >= 1"),
+        (["generate", "--dtype", "float8", "hi"], "'float8': must be auto, bfloat16, float16 or float32"),
+        (["serve", "--device", "tpu"], "'tpu': must be auto, cpu or cuda"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             main(argv)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -92,9 +93,18 @@ def _argument(f) -> dict:
         help_ += f" (default: {f.default})"
     if (values := choices(kind)) is not None:
         return dict(choices=list(values), default=f.default, help=help_)
-    bounds = f.metadata["bounds"]
+    bounds, check = f.metadata["bounds"], f.metadata["check"]
     typ = kind if bounds is None else _number(kind, bounds)
+    if check is not None:
+        typ = functools.partial(_checked, check)
     return dict(type=typ, default=f.default, help=help_)
+
+
+def _checked(check, text: str) -> str:
+    """An argparse type: text if check finds nothing wrong with it."""
+    if (problem := check(text)) is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
 
 
 def sampling_parser() -> argparse.ArgumentParser:
