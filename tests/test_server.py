@@ -371,7 +371,10 @@ def test_serving_benchmark(server, tmp_path):
     cpu = summary["cpu_ms_per_step"]
     assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0
     assert (tmp_path / "serve_latency.png").exists()
-    saved = json.loads((tmp_path / "serve_results.json").read_text())["requests"]  # every stream read to its end
+    text = (tmp_path / "serve_results.json").read_text()
+    saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # (strict JSON)
+    assert saved["summary"]["request_rate"] is None  # (unbounded: inf has no JSON, null says so)
+    saved = saved["requests"]  # every stream read to its end
     assert [(r["output_len"], len(r["itl"])) for r in saved] == [(6, 5)] * 12
 
 

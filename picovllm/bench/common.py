@@ -4,6 +4,7 @@ result tables."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
@@ -98,8 +99,21 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
+def to_json(value) -> str:
+    """value as JSON, a number that JSON has not (inf, nan: an unbounded request rate) as null."""
+
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        return [finite(x) for x in v] if isinstance(v, list | tuple) else v
+
+    return json.dumps(finite(value), allow_nan=False)
+
+
 def print_json(kind: str, payload: dict) -> None:
-    print(json.dumps({"benchmark": kind, **payload}))
+    print(to_json({"benchmark": kind, **payload}))
 
 
 def plot_latency(rows: list[dict], path: str) -> None:

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from picovllm.bench.common import ms_stats, print_json, print_table
+from picovllm.bench.common import ms_stats, print_json, print_table, to_json
 
 
 def _body(prompt: list[int], max_tokens: int, model: str) -> bytes:
@@ -242,7 +242,7 @@ def run_serve_bench(
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
         with open(os.path.join(save_dir, "serve_results.json"), "w") as f:
-            json.dump({"summary": summary, "requests": results}, f)
+            f.write(to_json({"summary": summary, "requests": results}))
         _plot([r for r in results if r["ok"]], os.path.join(save_dir, "serve_latency.png"))
     print_json("serve", summary)
     return summary
