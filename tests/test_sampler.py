@@ -22,8 +22,7 @@ def _req(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Request:
 def _tensors(reqs: list[Request], vocab: int, eos_ids=frozenset(), generators=None) -> SamplingTensors:
     """The sampling tensors of these requests, as the engine and the model runner build them."""
     generators = generators or [None] * len(reqs)
-    batch = sampling_batch(reqs, [], vocab)
-    return SamplingTensors.from_batch(batch, generators, vocab, set(eos_ids), torch.device("cpu"))
+    return SamplingTensors.from_batch(sampling_batch(reqs, []), generators, vocab, set(eos_ids), torch.device("cpu"))
 
 
 def _kept(logits: torch.Tensor) -> list[list[int]]:

@@ -108,8 +108,8 @@ def test_max_tokens_inside_the_grammar_ends_with_length(llm):
 
 def test_a_request_waits_for_its_grammar_without_holding_the_others(llm, monkeypatch):
     engine = llm.llm_engine
-    release, compile_ = threading.Event(), engine.structured._compile
-    monkeypatch.setattr(engine.structured, "_compile", lambda so: release.wait(30) and compile_(so))
+    release, compile_ = threading.Event(), engine.structured.compile
+    monkeypatch.setattr(engine.structured, "compile", lambda so: release.wait(30) and compile_(so))
     engine.add_request("slow", "Hello", _so(regex=REGEX))
     engine.add_request("free", "Hello", SamplingParams(temperature=0, max_tokens=5))
     finished = set()

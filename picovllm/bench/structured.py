@@ -61,10 +61,10 @@ def run_structured(llm_kwargs: dict, batch_size: int, input_len: int, output_len
     prompts = [{"prompt_token_ids": rng.integers(100, vocab, size=input_len).tolist()} for _ in range(batch_size)]
     free = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
-    engine.structured._compile(StructuredOutputsParams(json={"type": "object"}))  # (the compiler, once)
+    engine.structured.compile(StructuredOutputsParams(json={"type": "object"}))  # (the compiler, once)
     compiler_s = time.perf_counter() - start
     start = time.perf_counter()
-    engine.structured._compile(StructuredOutputsParams(json=TYPICAL))
+    engine.structured.compile(StructuredOutputsParams(json=TYPICAL))
     compile_s = time.perf_counter() - start
     constrained = SamplingParams(
         temperature=0.6, max_tokens=output_len, structured_outputs=StructuredOutputsParams(json=json.dumps(LONG))

@@ -152,8 +152,9 @@ class LLMEngine:
         self.output_processor.add(request_id, text, ids, children)
         if params.structured_outputs is not None:  # (they wait for their grammar: take_ready)
             self.structured.add(params.structured_outputs, children)
-        for req in children if params.structured_outputs is None else ():
-            self.scheduler.add(req)
+        else:
+            for req in children:
+                self.scheduler.add(req)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests (unknown or finished ids are ignored) and free their blocks; on a prefill
@@ -239,10 +240,11 @@ class LLMEngine:
         tokens = sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
         outputs = self.output_processor.process(step.reqs, tokens, sampled)
-        self.launcher.sample_deferred()  # (the step launched ahead, if its grammars waited for these tokens)
         if not self.groups:
             self.launcher.reset()  # nothing left to read from a step launched ahead
             self.executor.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)
+        else:
+            self.launcher.sample_deferred()  # (the step launched ahead, if its grammars waited for these tokens)
         if self.debug_invariants:
             self.check_invariants()
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)

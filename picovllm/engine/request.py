@@ -58,8 +58,8 @@ class Request:
         self.num_prompt_cached_tokens: int | None = None  # the same at its first admission (reported)
         self.lock_node = None  # the radix-tree node this request holds locked (prefix_cache.py)
         self.num_preemptions = 0
-        # disaggregated prefill (engine/kv_handoff.py): on a prefill instance {"do_remote_decode":
-        # True}; on a decode instance where to pull the prompt's KV from (cleared once pulled)
+        # disaggregated prefill (engine/kv_handoff.py): on a prefill instance do_remote_decode; on
+        # a decode instance where to pull the prompt's KV from (cleared once pulled)
         self.kv_transfer_params = kv_transfer_params
         self.grammar = None  # its structured outputs' xgrammar matcher (engine/structured_output.py)
         self.after: Request | None = None  # admitted once this sibling is past its pull (n > 1)

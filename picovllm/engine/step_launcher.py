@@ -62,10 +62,10 @@ def _reads_output(req: Request) -> bool:
     return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens
 
 
-def sampling_batch(reqs: list[Request], finished_ids: list[str], vocab_size: int | None) -> SamplingBatch:
+def sampling_batch(reqs: list[Request], finished_ids: list[str], bitmask=None) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data (a pending row's output so
     far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban),
-    with their grammars' bitmask unless vocab_size is None (it is filled later: deferred)."""
+    with their grammars' bitmask (grammar_bitmask; None: none, or filled later: deferred)."""
     penalties = any(r.params.has_penalties for r in reqs)
     return SamplingBatch(
         [r.request_id for r in reqs],
@@ -75,7 +75,7 @@ def sampling_batch(reqs: list[Request], finished_ids: list[str], vocab_size: int
         [r.prompt_token_ids for r in reqs] if penalties else None,
         [r.output_token_ids for r in reqs] if penalties else None,
         finished_ids,
-        None if vocab_size is None else grammar_bitmask(reqs, vocab_size),
+        bitmask,
     )
 
 
@@ -157,7 +157,7 @@ class StepLauncher:
         last = self._last_sampling
         if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
             return last[1]
-        batch = sampling_batch(reqs, finished, None if deferred else self.vocab_size)
+        batch = sampling_batch(reqs, finished, None if deferred else grammar_bitmask(reqs, self.vocab_size))
         # (a batch is sent once with the ids of the requests finished before it; a grammar's
         # bitmask changes every step)
         static = not finished and not any(_reads_output(r) or r.grammar is not None for r in reqs)

@@ -96,9 +96,10 @@ class StructuredOutputManager:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-grammar")
         for req in children:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
-        self.compiling.append((self._pool.submit(self._compile, so), children))
+        self.compiling.append((self._pool.submit(self.compile, so), children))
 
-    def _compile(self, so: StructuredOutputsParams):
+    def compile(self, so: StructuredOutputsParams):
+        """so's grammar, compiled now (add runs this on the grammar thread)."""
         with self._lock:
             if self._compiler is None:
                 xgr = _xgr()
