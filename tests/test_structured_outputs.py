@@ -55,7 +55,11 @@ def _outputs(llm, prompts, params) -> list:
 
 def _texts(llm, prompts, params) -> list[list[str]]:
     """Each prompt's completions' texts (_outputs)."""
-    return [[c.text for c in o.outputs] for o in _outputs(llm, prompts, params)]
+    return _texts_of(_outputs(llm, prompts, params))
+
+
+def _texts_of(outs) -> list[list[str]]:
+    return [[c.text for c in o.outputs] for o in outs]
 
 
 def test_every_output_follows_its_schema_regex_choice_or_grammar(llm):
@@ -86,7 +90,7 @@ def test_the_same_with_and_without_async_scheduling_and_under_preemption(tiny_qw
     prompts = PROMPTS * 2 + PROMPTS[:1]
     before = llm.llm_engine.launcher.num_launched_ahead
     outs = _outputs(llm, prompts, params)
-    want = [[c.text for c in o.outputs] for o in outs]
+    want = _texts_of(outs)
     # (steps were launched ahead of constrained requests' tokens, their sampling waiting for them:
     # all but the first steps of the longest completion, a constrained one)
     longest = max(outs, key=lambda o: len(o.outputs[0].token_ids))
