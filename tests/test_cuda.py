@@ -113,7 +113,7 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
         sampled = SamplerOutput(ours[-1].argmax(dim=-1), None, None, None, None)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        engine.output_processor.process(batch.requests, sampled.sampled.tolist(), sampled)
+        engine.output_processor.process(batch.requests, sampled.sampled.tolist(), sampled, [None] * len(batch.requests))
     ours = torch.cat(ours)
     from transformers import AutoModelForCausalLM
 

@@ -5,12 +5,15 @@ one are not changed by those with one."""
 import json
 import re
 import threading
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
+import xgrammar
 from conftest import make_llm
 
 from picovllm import SamplingParams, StructuredOutputsParams
+from picovllm.engine.structured_output import BitmaskFiller, accept_tokens
 
 SCHEMA = {
     "type": "object",
@@ -139,6 +142,36 @@ def test_a_request_waits_for_its_grammar_without_holding_the_others(llm, monkeyp
     assert finished == {"free", "slow"} and not engine.structured.compiling
     engine.check_invariants()
     assert engine.reset_prefix_cache() and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def _row(grammar, finished=False, text=""):
+    """A sampling row as the bitmask and accept_tokens see it, its matcher past `text`."""
+    assert grammar is None or grammar.accept_string(text)
+    return SimpleNamespace(request_id="r", grammar=grammar, is_finished=finished)
+
+
+def test_the_bitmask_is_each_rows_grammar_and_the_matchers_take_the_tokens(llm):
+    engine = llm.llm_engine
+    compiled = engine.structured.compile(StructuredOutputsParams(regex=REGEX))
+    (eos,) = engine.eos_token_ids
+    matcher = xgrammar.GrammarMatcher
+    done = _row(matcher(compiled), text="ab-12")
+    assert accept_tokens([done], [eos]) == ["stop"] and done.grammar.is_terminated()
+    rows = [_row(matcher(compiled)), _row(None), _row(matcher(compiled), text="abc-1")]
+    rows += [_row(matcher(compiled), finished=True), done]
+    filler = BitmaskFiller(engine.model_config.vocab_size, pin_memory=False)
+    mask = filler.fill(rows)
+    own = xgrammar.allocate_token_bitmask(2, engine.model_config.vocab_size)
+    rows[0].grammar.fill_next_token_bitmask(own, 0)
+    rows[2].grammar.fill_next_token_bitmask(own, 1)
+    assert mask[0].tolist() == own[0].tolist() and mask[2].tolist() == own[1].tolist()
+    assert (mask[[1, 3, 4]] == -1).all() and (mask[[0, 2]] != -1).any()  # (all allowed: no grammar to follow)
+    assert filler.start(rows).result().equal(mask) and filler.fill(rows[1:2]) is None
+    filler.shutdown()
+    # a token the grammar refuses ends its row; a row without a grammar, or finished, takes nothing
+    digit = engine.tokenizer.convert_tokens_to_ids("5")
+    assert accept_tokens(rows[:4], [digit] * 4) == ["abort", None, None, None]
+    assert rows[2].grammar.accept_token(eos) and rows[3].grammar.accept_string("ab")  # ("abc-15"; none)
 
 
 @pytest.mark.parametrize(

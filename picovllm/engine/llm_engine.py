@@ -3,7 +3,10 @@
 step = launcher.next_step()      # scheduler.schedule() -> the batch as messages -> executor ->
                                  # every rank's forward, rank 0 samples (step_launcher.py)
 step.out.wait()                  # rank 0's samples on the host
-outputs = output_processor.process(step.reqs, tokens, sampled)  # append, detokenize, stop, free
+ends = accept_tokens(step.reqs, tokens)  # grammars take the tokens (structured outputs)
+launcher.fill_deferred()         # the next step's bitmask fills on other threads meanwhile
+outputs = output_processor.process(step.reqs, tokens, sampled, ends)  # append, detokenize, stop, free
+launcher.sample_deferred()       # the next step samples under it
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from picovllm.engine.request import Request
 from picovllm.engine.scheduler import Scheduler
 from picovllm.engine.stats import engine_stats
 from picovllm.engine.step_launcher import StepLauncher
-from picovllm.engine.structured_output import StructuredOutputManager, check_structured_outputs
+from picovllm.engine.structured_output import StructuredOutputManager, accept_tokens, check_structured_outputs
 from picovllm.executor.executor import Executor, WorkerError
 from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source import resolve_model
@@ -78,7 +81,10 @@ class LLMEngine:
             )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.kv_handoff)
         vocab = self.model_config.vocab_size
-        self.launcher = StepLauncher(self.scheduler, self.kv_handoff, self.executor, config.async_scheduling, vocab)
+        pin = self.device.type == "cuda"  # (host tensors bound for the GPU: grammars' bitmasks)
+        self.launcher = StepLauncher(
+            self.scheduler, self.kv_handoff, self.executor, config.async_scheduling, vocab, pin
+        )
         self.structured = StructuredOutputManager(self.tokenizer, vocab, self.eos_token_ids)
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
@@ -239,7 +245,9 @@ class LLMEngine:
         sampled = step.out.sampled if step.out is not None else None
         tokens = sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
-        outputs = self.output_processor.process(step.reqs, tokens, sampled)
+        ends = accept_tokens(step.reqs, tokens)
+        self.launcher.fill_deferred()  # (the step launched ahead's bitmask, while these tokens are processed)
+        outputs = self.output_processor.process(step.reqs, tokens, sampled, ends)
         if not self.groups:
             self.launcher.reset()  # nothing left to read from a step launched ahead
             self.executor.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)
@@ -293,6 +301,7 @@ class LLMEngine:
         """Stop every rank (also done when the engine is collected, and at exit, with several):
         each frees its graphs and closes its KV transfer (Worker.shutdown)."""
         self.structured.shutdown()
+        self.launcher.filler.shutdown()
         self.executor.shutdown()
 
     def get_metrics(self) -> dict[str, int]:

@@ -8,7 +8,6 @@ scheduler here.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -20,8 +19,6 @@ from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.messages import SamplerOutput
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind
-
-logger = logging.getLogger("picovllm")
 
 
 def at_length_limit(req: Request, pending: int = 0) -> bool:
@@ -60,9 +57,12 @@ class OutputProcessor:
                 self.detokenizer.start(req)
         self.groups[request_id] = RequestGroup(text, ids, children, time.time())
 
-    def process(self, reqs: list[Request], tokens: list[int], out: SamplerOutput | None) -> list[RequestOutput]:
+    def process(
+        self, reqs: list[Request], tokens: list[int], out: SamplerOutput | None, grammar_ends: list[str | None]
+    ) -> list[RequestOutput]:
         """Append each sampling request's token (`tokens`: the step's samples, as a list); a step of
-        prompt chunks alone samples nothing."""
+        prompt chunks alone samples nothing. grammar_ends: the finish reason each row's grammar
+        gives it, once its matcher has taken the token (structured_output.accept_tokens)."""
         if out is None:
             return []
         logprob_rows = self._logprob_rows(out) if out.sampled_logprobs is not None else None
@@ -76,10 +76,8 @@ class OutputProcessor:
             if req.logprobs is not None:
                 req.logprobs.append(self._logprob_dict(logprob_rows, i, token, req.params.logprobs))
                 req.cumulative_logprob += req.logprobs[-1][token].logprob
-            if req.grammar is not None and not req.grammar.accept_token(token):
-                logger.error("request %s: its grammar refuses token %d: it ends", req.request_id, token)
-                reason, stop_reason = "abort", None
-            else:
+            reason, stop_reason = grammar_ends[i], None
+            if reason is None:
                 reason, stop_reason = self._check_finished(req, token)
             if reason is not None:
                 req.stop_reason = stop_reason
@@ -102,8 +100,6 @@ class OutputProcessor:
 
     def _check_finished(self, req: Request, token: int) -> tuple[str | None, int | str | None]:
         p = req.params
-        if req.grammar is not None and req.grammar.is_terminated():  # (its structured output is complete)
-            return "stop", None
         past_min = req.num_output_tokens >= p.min_tokens
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None

@@ -11,6 +11,7 @@ has its extra token dropped (OutputProcessor).
 from __future__ import annotations
 
 import operator
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import numpy as np
@@ -19,7 +20,7 @@ from picovllm.engine.kv_handoff import KVHandoff
 from picovllm.engine.output_processor import at_length_limit
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
-from picovllm.engine.structured_output import grammar_bitmask
+from picovllm.engine.structured_output import BitmaskFiller
 from picovllm.executor.executor import Executor
 from picovllm.messages import ExecuteStep, ModelRunnerOutput, SamplingBatch, StepInputs
 
@@ -65,7 +66,7 @@ def _reads_output(req: Request) -> bool:
 def sampling_batch(reqs: list[Request], finished_ids: list[str], bitmask=None) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data (a pending row's output so
     far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban),
-    with their grammars' bitmask (grammar_bitmask; None: none, or filled later: deferred)."""
+    with their grammars' bitmask (BitmaskFiller; None: none, or filled later: deferred)."""
     penalties = any(r.params.has_penalties for r in reqs)
     return SamplingBatch(
         [r.request_id for r in reqs],
@@ -87,10 +88,13 @@ class StepLauncher:
         executor: Executor,
         async_scheduling: bool,
         vocab_size: int,
+        pin_memory: bool,
     ):
         self.scheduler, self.block_manager, self.kv_handoff = scheduler, scheduler.block_manager, kv_handoff
-        self.executor, self.async_scheduling, self.vocab_size = executor, async_scheduling, vocab_size
+        self.executor, self.async_scheduling = executor, async_scheduling
         self.inflight: LaunchedStep | None = None  # a step launched ahead, its tokens not read yet
+        self.filler = BitmaskFiller(vocab_size, pin_memory)
+        self._filling: Future | None = None  # the bitmask of the step launched ahead (fill_deferred)
         self._last_sampling: tuple[list[Request], SamplingBatch] | None = None  # (see _sampling_batch)
         self.num_launched_ahead = 0
 
@@ -120,7 +124,9 @@ class StepLauncher:
 
     def reset(self) -> None:
         """Nothing in flight (no request left, or a step failed)."""
-        self.inflight, self._last_sampling = None, None
+        if self._filling is not None:
+            self._filling.exception()  # (waits: its matchers are its own until it is done)
+        self.inflight, self._last_sampling, self._filling = None, None, None
 
     def launch(
         self, batch: ScheduledBatch, num_pending: int = 0, pending_rows: list[int] | None = None
@@ -140,27 +146,42 @@ class StepLauncher:
             req.num_computed_tokens += n
         return LaunchedStep(batch, reqs, out, number, defer)
 
-    def sample_deferred(self) -> None:
-        """After the tokens of the step before it are processed (its grammars' matchers have taken
-        them): the step launched ahead samples under its bitmask."""
+    def fill_deferred(self) -> None:
+        """Once the grammars' matchers have taken the tokens of the step before it: the bitmask of
+        the step launched ahead starts filling, on the filler's threads (BitmaskFiller.start)."""
         step = self.inflight
         if step is not None and step.deferred:
-            out = self.executor.sample_deferred(grammar_bitmask(step.reqs, self.vocab_size))
+            self._filling = self.filler.start(step.reqs)
+
+    def sample_deferred(self) -> None:
+        """The step launched ahead samples under its bitmask (fill_deferred's, once it is filled)."""
+        step = self.inflight
+        if step is not None and step.deferred:
+            bitmask, self._filling = self._filling.result(), None
+            out = self.executor.sample_deferred(bitmask)
             self.inflight = step._replace(out=out, deferred=False)
 
     def _sampling_batch(self, reqs: list[Request], deferred: bool = False) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
         has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
-        reached); else a new one. This is the one place that decides: rank 0's model runner
-        reuses its sampling tensors exactly when it gets the batch it got last."""
+        reached, no bitmask: none of them has a grammar, or theirs comes later); else a new one.
+        This is the one place that decides: rank 0's model runner reuses its sampling tensors
+        exactly when it gets the batch it got last."""
         finished = self.scheduler.take_finished_ids()
+        # a grammar's bitmask changes every step: in the batch unless it comes later (deferred)
+        bitmask = None if deferred else self.filler.fill(reqs)
         last = self._last_sampling
-        if not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs)):
+        if (
+            not finished
+            and bitmask is None
+            and last is not None
+            and len(last[0]) == len(reqs)
+            and all(map(operator.is_, last[0], reqs))
+        ):
             return last[1]
-        batch = sampling_batch(reqs, finished, None if deferred else grammar_bitmask(reqs, self.vocab_size))
-        # (a batch is sent once with the ids of the requests finished before it; a grammar's
-        # bitmask changes every step)
-        static = not finished and not any(_reads_output(r) or r.grammar is not None for r in reqs)
+        batch = sampling_batch(reqs, finished, bitmask)
+        # (a batch is sent once with the ids of the requests finished before it)
+        static = not finished and bitmask is None and not any(map(_reads_output, reqs))
         self._last_sampling = (reqs, batch) if static else None
         return batch
 

@@ -2,8 +2,8 @@
 SGLang: a request's JSON schema, regex, choice or grammar becomes a grammar compiled against the
 tokenizer's vocabulary, and the request gets a matcher of its own (each completion of n). At each
 step the engine fills, on the host, a bitmask row of the tokens each constrained request may take
-next (grammar_bitmask); rank 0's sampler applies it to the logits before it samples
-(worker/sampler.py); the matcher then takes the accepted token (OutputProcessor), and the request
+next (BitmaskFiller); rank 0's sampler applies it to the logits before it samples
+(worker/sampler.py); the matcher then takes the sampled token (accept_tokens), and the request
 ends ("stop") once its grammar is complete, or with "length" if max_tokens comes first.
 
 Grammars compile off the step's path, on a thread of their own (xgrammar keeps a cache of what
@@ -12,7 +12,8 @@ it compiled): a request waits for its grammar outside the scheduler
 last token on the host; with async scheduling, a step launched ahead of that token runs its
 forward at once and samples later (StepLauncher.launch's defer, then sample_deferred), once the
 token is read and the bitmask filled, as SGLang's overlap scheduler does: the forward still
-overlaps the host's work, only the sampling waits for it.
+overlaps the host's work, only the sampling waits for it. The bitmask fills on other threads
+while the engine processes the step's outputs (StepLauncher.fill_deferred).
 
 JSON is constrained to its compact form (no free whitespace between tokens): a model can then
 not pad an answer with whitespace until max_tokens.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -30,6 +32,8 @@ import torch
 
 from picovllm.engine.request import Request, RequestStatus
 from picovllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("picovllm")
 
 
 @functools.cache
@@ -138,14 +142,81 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def grammar_bitmask(reqs: list[Request], vocab_size: int) -> torch.Tensor | None:
-    """[rows, ceil(vocab_size / 32)] int32 bits of the tokens each sampling row may take next
-    (rows without a grammar, or finished since they were launched: all), on the host; None when
-    no row has a grammar."""
-    if all(r.grammar is None for r in reqs):
-        return None
-    mask = _xgr().allocate_token_bitmask(len(reqs), vocab_size)
-    for i, req in enumerate(reqs):
-        if req.grammar is not None and not req.is_finished:
-            req.grammar.fill_next_token_bitmask(mask, i)
-    return mask
+def accept_tokens(reqs: list[Request], tokens: list[int]) -> list[str | None]:
+    """Each sampling row's grammar takes the row's token; the finish reason its grammar gives each
+    row: "stop" when the grammar is complete, "abort" (logged) when it refuses the token, else
+    None (also rows without a grammar, or finished since they were launched)."""
+    ends = [None] * len(reqs)
+    for i, (req, token) in enumerate(zip(reqs, tokens)):
+        if req.grammar is None or req.is_finished:
+            continue
+        if not req.grammar.accept_token(token):
+            logger.error("request %s: its grammar refuses token %d: it ends", req.request_id, token)
+            ends[i] = "abort"
+        elif req.grammar.is_terminated():
+            ends[i] = "stop"
+    return ends
+
+
+class BitmaskFiller:
+    """Fills the bitmask of a step's sampling rows: [rows, ceil(vocab_size / 32)] int32 bits of the
+    tokens each row's grammar allows next (rows without a grammar, finished since they were
+    launched, or whose grammar is complete: all), on the host (pinned for a GPU). xgrammar's batch
+    matcher fills all the rows in one call, in C++ without the GIL; start() makes that call from a
+    thread of the filler's, so that the engine processes a step's outputs while the next step's
+    bitmask fills. (One thread: xgrammar's own threads on top made the steps slower on the H200's
+    host: benchmarks/README.md.)"""
+
+    def __init__(self, vocab_size: int, pin_memory: bool):
+        self.vocab_size, self.pin_memory = vocab_size, pin_memory  # (pinned: its copy to the GPU waits for nothing)
+        self._batch = None  # (xgrammar's BatchGrammarMatcher, built on first use)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def fill(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The rows' bitmask, filled now; None when no row has a grammar to follow."""
+        rows = self._rows(reqs)
+        return self._fill(rows, len(reqs)) if rows else None
+
+    def start(self, reqs: list[Request]) -> Future:
+        """fill(reqs) on the filler's thread, returned once xgrammar has it (the thread needs the
+        GIL to start, and would otherwise wait for this one to block). The rows' matchers are the
+        thread's until the future is done: nothing else may use them meanwhile."""
+        rows = self._rows(reqs)
+        if not rows:
+            done = Future()
+            done.set_result(None)
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="picovllm-bitmask")
+        started = threading.Event()
+
+        def run():
+            started.set()
+            return self._fill(rows, len(reqs))
+
+        future = self._pool.submit(run)
+        started.wait()
+        return future
+
+    @staticmethod
+    def _rows(reqs: list[Request]) -> list[tuple[int, object]]:
+        """(row, matcher) of the rows whose grammar goes on."""
+        return [
+            (i, r.grammar)
+            for i, r in enumerate(reqs)
+            if r.grammar is not None and not r.is_finished and not r.grammar.is_terminated()
+        ]
+
+    def _fill(self, rows: list[tuple[int, object]], num_rows: int) -> torch.Tensor:
+        xgr = _xgr()
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(1)
+        mask = torch.full(
+            xgr.get_bitmask_shape(num_rows, self.vocab_size), -1, dtype=torch.int32, pin_memory=self.pin_memory
+        )
+        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], mask, [i for i, _ in rows])
+        return mask
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
