@@ -11,6 +11,7 @@ import json
 import time
 
 import numpy as np
+import torch
 
 from picovllm.bench.common import print_json, print_table, sync
 from picovllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -75,6 +76,7 @@ def run_structured(llm_kwargs: dict, batch_size: int, input_len: int, output_len
     )
     rows = []
     for name, params in (("unconstrained", free), ("json schema", constrained)):
+        torch.manual_seed(seed)  # (the same samples, run after run: the grammars' states with them)
         sync(engine.device)
         steps, start = engine.num_steps, time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
