@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from picovllm.entrypoints.openai.protocol import STRUCTURED_FIELDS
 from picovllm.entrypoints.openai.serving import KV_SECRET_HEADER, ClientGone, cancel_on_disconnect, kv_transfer_secret
 from picovllm.entrypoints.web import mount_web_ui
 from picovllm.kv_transfer_params import KVTransferParams
@@ -346,12 +347,7 @@ _NOT_FOR_PREFILL = (  # (its one token is not the answer's: the decode instance 
     "top_logprobs",
     "echo",
     "min_tokens",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
+    *STRUCTURED_FIELDS,
 )
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _FAILURES = {  # a hop's status: (the outcome counted, the error's type)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from picovllm.messages import StepInputs
-from picovllm.model.layers.attention import AttentionMetadata, prefill_work_list
+from picovllm.model.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_work_list
 
 PACK_ALIGN = 16  # elements: a step's arrays are packed for upload with each starting 128-byte aligned,
 # so that Triton compiles one variant of each kernel (it specialises on pointer alignment)
@@ -124,7 +124,9 @@ def _tokens(step: StepInputs, block_size: int, rows: int) -> _Tokens:
     return _Tokens(input_ids, positions, slots, tables, query_start_loc, logits_indices)
 
 
-def _meta(step: StepInputs, slots, tables, context_lens, query_start_loc, work=None, block_m=None) -> AttentionMetadata:
+def _meta(
+    step: StepInputs, slots, tables, context_lens, query_start_loc, work=None, block_m=PREFILL_BLOCK_M
+) -> AttentionMetadata:
     """The step's attention metadata; work and block_m: the prefill kernel's (prefill_work_list)."""
     return AttentionMetadata(
         slot_mapping=slots,
@@ -135,7 +137,7 @@ def _meta(step: StepInputs, slots, tables, context_lens, query_start_loc, work=N
         max_context_len=int(step.context_lens.max()),
         any_single_query=bool((step.query_lens == 1).any()),
         prefill_work=work,
-        **({} if block_m is None else {"prefill_block_m": block_m}),
+        prefill_block_m=block_m,
     )
 
 

@@ -49,6 +49,17 @@ class ResponseFormat(BaseModel):
         return self
 
 
+# the fields that constrain the output (_SamplingFields.structured), in the order a 400 names them
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
 class StructuredOutputsFields(BaseModel):
     """vLLM's structured_outputs field: exactly one of these."""
 
@@ -120,9 +131,15 @@ class _SamplingFields(BaseModel):
 
     @property
     def structured_field(self) -> str:
-        """The field the request's constraint came in ("" if none)."""
-        given = self._constraints()
-        return given[0][0] if given else ""
+        """The first field of STRUCTURED_FIELDS the request gives ("" if none): the one a 400
+        about its constraint names."""
+        rf = self.response_format
+        given = (
+            n
+            for n in STRUCTURED_FIELDS
+            if getattr(self, n) is not None and (n != "response_format" or rf.type != "text")
+        )
+        return next(given, "")
 
     def _constraints(self) -> list[tuple[str, dict]]:
         given = []
