@@ -3,10 +3,8 @@
 step = launcher.next_step()      # scheduler.schedule() -> the batch as messages -> executor ->
                                  # every rank's forward, rank 0 samples (step_launcher.py)
 step.out.wait()                  # rank 0's samples on the host
-ends = accept_tokens(step.reqs, tokens)  # grammars take the tokens (structured outputs)
-launcher.fill_deferred()         # the next step's bitmask fills on other threads meanwhile
+ends = launcher.take_tokens(step.reqs, tokens)  # grammars take them; the next bitmask fills meanwhile
 outputs = output_processor.process(step.reqs, tokens, sampled, ends)  # append, detokenize, stop, free
-launcher.sample_deferred()       # the next step samples under it
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from picovllm.engine.request import Request
 from picovllm.engine.scheduler import Scheduler
 from picovllm.engine.stats import engine_stats
 from picovllm.engine.step_launcher import StepLauncher
-from picovllm.engine.structured_output import StructuredOutputManager, accept_tokens, check_structured_outputs
+from picovllm.engine.structured_output import StructuredOutputManager, check_structured_outputs
 from picovllm.executor.executor import Executor, WorkerError
 from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source import resolve_model
@@ -36,7 +34,6 @@ from picovllm.sampling_params import SamplingParams
 logger = logging.getLogger("picovllm")
 
 _MAX_SEED = 2**63 - 1
-GRAMMAR_WAIT_S = 0.005  # a step with nothing to run but grammars compiling waits this long for one
 
 
 class LLMEngine:
@@ -80,17 +77,13 @@ class LLMEngine:
                 config, self.executor.kv_transfer, self.scheduler, self.kv_block_bytes, self.kv_compat
             )
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.kv_handoff)
-        vocab = self.model_config.vocab_size
-        pin = self.device.type == "cuda"  # (host tensors bound for the GPU: grammars' bitmasks)
-        self.launcher = StepLauncher(
-            self.scheduler, self.kv_handoff, self.executor, config.async_scheduling, vocab, pin
-        )
-        self.structured = StructuredOutputManager(self.tokenizer, vocab, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config, self.eos_token_ids, self.device)
+        filler = self.structured.filler
+        self.launcher = StepLauncher(self.scheduler, self.kv_handoff, self.executor, config.async_scheduling, filler)
         self.debug_invariants = envs.check_invariants()
         self.host_time_s, self.num_steps = 0.0, 0
-        self._arrivals = itertools.count()
+        self._arrivals, self._auto_ids = itertools.count(), itertools.count()
         self.failed: list[tuple[str, str]] = []  # (request id, why): see step
-        self._auto_ids = itertools.count()
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> LLMEngine:
@@ -235,7 +228,7 @@ class LLMEngine:
             self._take_grammars()
         step = self.launcher.next_step()
         if step is None:
-            self.structured.wait(GRAMMAR_WAIT_S)  # (when only grammars being compiled are left)
+            self.structured.wait()  # (when only grammars being compiled are left)
             return []
         launched = time.perf_counter()
         if step.out is not None:
@@ -245,8 +238,7 @@ class LLMEngine:
         sampled = step.out.sampled if step.out is not None else None
         tokens = sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
-        ends = accept_tokens(step.reqs, tokens)
-        self.launcher.fill_deferred()  # (the step launched ahead's bitmask, while these tokens are processed)
+        ends = self.launcher.take_tokens(step.reqs, tokens)
         outputs = self.output_processor.process(step.reqs, tokens, sampled, ends)
         if not self.groups:
             self.launcher.reset()  # nothing left to read from a step launched ahead
@@ -301,7 +293,6 @@ class LLMEngine:
         """Stop every rank (also done when the engine is collected, and at exit, with several):
         each frees its graphs and closes its KV transfer (Worker.shutdown)."""
         self.structured.shutdown()
-        self.launcher.filler.shutdown()
         self.executor.shutdown()
 
     def get_metrics(self) -> dict[str, int]:

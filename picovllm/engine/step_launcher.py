@@ -20,7 +20,7 @@ from picovllm.engine.kv_handoff import KVHandoff
 from picovllm.engine.output_processor import at_length_limit
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
-from picovllm.engine.structured_output import BitmaskFiller
+from picovllm.engine.structured_output import BitmaskFiller, accept_tokens
 from picovllm.executor.executor import Executor
 from picovllm.messages import ExecuteStep, ModelRunnerOutput, SamplingBatch, StepInputs
 
@@ -87,14 +87,13 @@ class StepLauncher:
         kv_handoff: KVHandoff | None,
         executor: Executor,
         async_scheduling: bool,
-        vocab_size: int,
-        pin_memory: bool,
+        filler: BitmaskFiller,
     ):
         self.scheduler, self.block_manager, self.kv_handoff = scheduler, scheduler.block_manager, kv_handoff
         self.executor, self.async_scheduling = executor, async_scheduling
         self.inflight: LaunchedStep | None = None  # a step launched ahead, its tokens not read yet
-        self.filler = BitmaskFiller(vocab_size, pin_memory)
-        self._filling: Future | None = None  # the bitmask of the step launched ahead (fill_deferred)
+        self.filler = filler  # (the structured outputs' bitmasks: StructuredOutputManager's)
+        self._filling: Future | None = None  # the bitmask of the step launched ahead (take_tokens)
         self._last_sampling: tuple[list[Request], SamplingBatch] | None = None  # (see _sampling_batch)
         self.num_launched_ahead = 0
 
@@ -146,15 +145,18 @@ class StepLauncher:
             req.num_computed_tokens += n
         return LaunchedStep(batch, reqs, out, number, defer)
 
-    def fill_deferred(self) -> None:
-        """Once the grammars' matchers have taken the tokens of the step before it: the bitmask of
-        the step launched ahead starts filling, on the filler's threads (BitmaskFiller.start)."""
+    def take_tokens(self, reqs: list[Request], tokens: list[int]) -> list[str | None]:
+        """A step's tokens, read: its rows' grammars take them (accept_tokens: what each row's
+        grammar ends it with), then the bitmask of the step launched ahead starts filling, on the
+        filler's thread (BitmaskFiller.start), while the engine processes the tokens."""
+        ends = accept_tokens(reqs, tokens)
         step = self.inflight
         if step is not None and step.deferred:
             self._filling = self.filler.start(step.reqs)
+        return ends
 
     def sample_deferred(self) -> None:
-        """The step launched ahead samples under its bitmask (fill_deferred's, once it is filled)."""
+        """The step launched ahead samples under its bitmask (take_tokens', once it is filled)."""
         step = self.inflight
         if step is not None and step.deferred:
             bitmask, self._filling = self._filling.result(), None

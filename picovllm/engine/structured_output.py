@@ -13,7 +13,7 @@ last token on the host; with async scheduling, a step launched ahead of that tok
 forward at once and samples later (StepLauncher.launch's defer, then sample_deferred), once the
 token is read and the bitmask filled, as SGLang's overlap scheduler does: the forward still
 overlaps the host's work, only the sampling waits for it. The bitmask fills on other threads
-while the engine processes the step's outputs (StepLauncher.fill_deferred).
+while the engine processes the step's outputs (StepLauncher.take_tokens).
 
 JSON is constrained to its compact form (no free whitespace between tokens): a model can then
 not pad an answer with whitespace until max_tokens.
@@ -30,10 +30,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
+from picovllm.config import ModelConfig
 from picovllm.engine.request import Request, RequestStatus
 from picovllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("picovllm")
+GRAMMAR_WAIT_S = 0.005  # a step with nothing to run but grammars compiling waits this long for one
 
 
 @functools.cache
@@ -85,10 +87,11 @@ def check_structured_outputs(so: StructuredOutputsParams, tokenizer, name: str =
 class StructuredOutputManager:
     """The engine's grammars: compiles them (one thread; the compiler built on first use, from the
     tokenizer and the model's vocabulary), holds the requests that wait for theirs, and gives
-    each a matcher when it is ready."""
+    each a matcher when it is ready; its filler fills their bitmasks (pinned on a GPU)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
-        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+    def __init__(self, tokenizer, model_config: ModelConfig, eos_token_ids: set[int], device: torch.device):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, model_config.vocab_size, eos_token_ids
+        self.filler = BitmaskFiller(self.vocab_size, pin_memory=device.type == "cuda")
         self._compiler = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -132,7 +135,7 @@ class StructuredOutputManager:
         self.compiling = still
         return ready, failed
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float = GRAMMAR_WAIT_S) -> None:
         """Block until a grammar being compiled is ready, or timeout seconds (nothing else to run)."""
         if self.compiling:
             wait([f for f, _ in self.compiling], timeout=timeout, return_when=FIRST_COMPLETED)
@@ -140,6 +143,7 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self.filler.shutdown()
 
 
 def accept_tokens(reqs: list[Request], tokens: list[int]) -> list[str | None]:
