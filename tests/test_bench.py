@@ -119,3 +119,6 @@ def test_offload_multi_turn_and_preemption(tiny_qwen, capsys):
     recompute, swap = preemption["results"]
     assert recompute["preemptions"] > 0 and recompute["swapped"] == 0
     assert swap["swapped"] == swap["preemptions"] > 0 and preemption["identical_outputs"] == 6  # (fp32)
+    assert preemption["preempted"] and "nothing was preempted" not in capsys.readouterr().out
+    roomy = run_preemption(kwargs, requests=2, prompt_len=8, output_len=4, pressure=0.25)  # (4x room)
+    assert not roomy["preempted"] and "nothing was preempted: " in capsys.readouterr().out

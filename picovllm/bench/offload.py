@@ -10,7 +10,8 @@ set): hit rate, mean and p99 TTFT, wall time; the promotions' bytes, and the tim
 one history's blocks against a plain pinned host-to-device copy of as many bytes.
 Preemption under KV pressure (run_preemption): --requests requests of --input-len prompt and
 --output-len output tokens at once, in a pool that holds 1/--pressure of what they need; preemption_mode
-"recompute", then "swap": throughput, preemptions, p50 / p99 request latency.
+"recompute", then "swap": throughput, preemptions, p50 / p99 request latency (and a line saying
+so when nothing was preempted: the comparison is void then).
 """
 
 from __future__ import annotations
@@ -272,7 +273,13 @@ def run_preemption(
         "need_gb": need / 1e9,
         "results": rows,
         "identical_outputs": sum(a == b for a, b in zip(tokens["recompute"], tokens["swap"])),
+        "preempted": any(r["preemptions"] for r in rows),
     }
+    if not result["preempted"]:
+        print(
+            "nothing was preempted: the pool held every request's KV, so the two runs compare nothing of "
+            "preemption; raise --pressure or --requests"
+        )
     print(
         f"{result['identical_outputs']} of {requests} requests generated the same tokens in both modes (a recomputed "
         "KV is computed by other kernels than the original: in bf16 it differs in its last bits)"
