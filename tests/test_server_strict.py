@@ -53,6 +53,21 @@ def test_a_wrongly_typed_field_is_a_400_naming_it(server, path, body, param):
     assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError"
 
 
+def test_unknown_paths_wrong_methods_and_bodies_are_openai_errors(server):
+    url = server[0]
+    for method, path, body, status, type_, said in [
+        ("GET", "/v1/nothing", None, 404, "NotFoundError", "Not Found"),
+        ("GET", "/v1/completions", None, 405, "MethodNotAllowedError", "Method Not Allowed"),
+        ("POST", "/v1/completions", [1, 2], 400, "BadRequestError", "invalid request body: "),
+    ]:
+        r = httpx.request(method, url + path, json=body, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == error["code"] == status and error["type"] == type_, r.text
+        assert error["message"].startswith(said) and error["param"] is None, r.text
+    assert r.status_code == 400 and "None" not in error["message"]
+    assert httpx.get(url + "/v1/completions").headers["allow"] == "POST"
+
+
 def test_a_bad_prompt_in_a_list_starts_none_of_them(server):
     """The prompts of a request are validated before any starts: a bad second prompt leaves no
     request in the engine; good ones start together (both stream at once, in one batch)."""

@@ -38,9 +38,17 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.entrypoints.openai.protocol import STRUCTURED_FIELDS
-from picovllm.entrypoints.openai.serving import KV_SECRET_HEADER, ClientGone, cancel_on_disconnect, kv_transfer_secret
+from picovllm.entrypoints.openai.serving import (
+    KV_SECRET_HEADER,
+    ClientGone,
+    cancel_on_disconnect,
+    error_response,
+    http_error,
+    kv_transfer_secret,
+)
 from picovllm.entrypoints.web import mount_web_ui
 from picovllm.kv_transfer_params import KVTransferParams
 
@@ -95,7 +103,7 @@ def _auth(request: Request) -> dict:
 
 
 def _error(status: int, message: str, type_: str = "BadGatewayError", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
+    return error_response(status, message, type_, param)
 
 
 class _Failed(Exception):
@@ -319,6 +327,7 @@ def build_router_app(
         raise ValueError("the router needs at least one --prefill and one --decode instance")
     router = _Router(prefill_urls, decode_urls, kv_secret, prefill_timeout_s, decode_timeout_s, health_check_interval_s)
     app = FastAPI(title="Pico-vLLM router", lifespan=router.lifespan)
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -19,22 +19,25 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.routers import admin, chat, completions, kv_transfer, tokenize
-from picovllm.entrypoints.openai.serving import APIError, ClientGone, ServerState, authorize, kv_transfer_secret
+from picovllm.entrypoints.openai.serving import (
+    APIError,
+    ClientGone,
+    ServerState,
+    authorize,
+    error_response,
+    http_error,
+    kv_transfer_secret,
+)
 from picovllm.entrypoints.web import StatsHistory, mount_web_ui
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status
-    )
-
-
 async def _api_error(_, exc: APIError) -> JSONResponse:
-    response = _error(exc.status, exc.message, exc.type, exc.param)
+    response = error_response(exc.status, exc.message, exc.type, exc.param)
     response.headers.update(exc.headers)
     return response
 
@@ -45,17 +48,18 @@ async def _client_gone(_, exc: ClientGone) -> Response:
 
 async def _internal_error(_, exc: Exception) -> JSONResponse:
     """What escaped a route: an OpenAI error, never a bare 500 (uvicorn logs the traceback)."""
-    return _error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
 async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":  # (its location is a character offset, not a field)
-        return _error(
+        return error_response(
             400, f"invalid JSON in the request body: {first.get('ctx', {}).get('error', exc)}", "BadRequestError"
         )
     param = _param(first.get("loc", ())[1:])
-    return _error(400, f"invalid request: {param}: {first.get('msg', exc)}", "BadRequestError", param)
+    where = f"request: {param}" if param else "request body"  # (None: the body itself, not a field)
+    return error_response(400, f"invalid {where}: {first.get('msg', exc)}", "BadRequestError", param)
 
 
 def _param(loc: tuple) -> str | None:
@@ -120,6 +124,7 @@ def build_app(
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     # The key is checked by a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware
     # relays every streamed chunk through a task and a memory stream, which cost more than the
     # rest of the server's work per token.

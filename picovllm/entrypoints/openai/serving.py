@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.engine.structured_output import check_structured_outputs
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess, RequestStream
@@ -28,6 +29,21 @@ from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source.builtin import cache_root
 from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    """An error as OpenAI's API answers it (the server's and the router's)."""
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
+
+
+_HTTP_ERRORS = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+
+async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a wrong method) as OpenAI errors too."""
+    response = error_response(exc.status_code, str(exc.detail), _HTTP_ERRORS.get(exc.status_code, "HTTPError"))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 class APIError(Exception):
