@@ -7,6 +7,8 @@ other setting is an engine option (EngineConfig, CLI flags). The model cache's l
                                  an engine is built)
     PICOVLLM_DISABLE_TRITON=1    run the PyTorch reference of every kernel, also on a GPU (no
                                  CUDA graphs then; read when picovllm.kernels is imported)
+    PICOVLLM_LOGGING_LEVEL=info  the picovllm logger's level in a process the command line
+                                 started (set by it: logger.py)
 
 And what torchrun sets, to start the tensor-parallel ranks as its processes: RANK, WORLD_SIZE
 and LOCAL_RANK (torch.distributed reads MASTER_ADDR and MASTER_PORT itself).
@@ -27,6 +29,14 @@ def check_invariants() -> bool:
 
 def disable_triton() -> bool:
     return _flag("PICOVLLM_DISABLE_TRITON")
+
+
+def logging_level() -> str | None:
+    return os.environ.get("PICOVLLM_LOGGING_LEVEL") or None
+
+
+def set_logging_level(level: str) -> None:
+    os.environ["PICOVLLM_LOGGING_LEVEL"] = level  # (the processes this one starts inherit it)
 
 
 def torchrun_ranks() -> tuple[int, int, int] | None:

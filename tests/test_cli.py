@@ -47,7 +47,7 @@ def test_engine_options_are_declared_once(capsys):
     ]:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", flag, str(value)])
-        said = capsys.readouterr().err.split("out of range: ")[1].strip()
+        said = capsys.readouterr().err.split("out of range: ")[1].splitlines()[0]
         with pytest.raises(ValueError, match=f"^{field} {re.escape(said)}, got {value}"):
             EngineConfig(**{field: value}).validate()
     with pytest.raises(SystemExit):
@@ -119,7 +119,7 @@ def test_models_lists_builtins_and_whether_they_are_installed(capsys):
     assert "qwen2.5-coder-1.5b-instruct: " in out and "pip install 'picovllm[" not in out
 
 
-def test_bad_options_get_the_subcommand_usage_and_numbers_are_checked(capsys):
+def test_bad_options_are_one_line_naming_the_subcommand_and_numbers_are_checked(capsys):
     for argv, said in [
         (["generate", "--bogus"], "unrecognized arguments: --bogus"),
         (["serve", "--port", "99999"], "a port is 1-65535"),
@@ -135,7 +135,9 @@ def test_bad_options_get_the_subcommand_usage_and_numbers_are_checked(capsys):
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and said in err, (argv, err)
-        assert err.startswith(f"usage: picovllm {' '.join(a for a in argv[:2] if not a.startswith('-'))}"), err
+        prog = "picovllm " + " ".join(a for a in argv[:2] if not a.startswith("-"))
+        first, pointer = err.splitlines()
+        assert first.startswith(f"{prog}: error: ") and pointer == f"({prog} --help lists the options)", err
 
 
 def test_prompts_are_checked_before_the_model_loads(tiny_qwen, tmp_path, monkeypatch, capsys):
@@ -210,3 +212,26 @@ def test_chat_reset_says_so_and_replies_carry_their_speed(tiny_qwen, monkeypatch
     assert main(["chat", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "4", "--ignore-eos"]) == 0
     err = capsys.readouterr().err
     assert "(conversation cleared)" in err and "(4 tokens, time to first token " in err and "tok/s)" in err
+
+
+def test_generate_streams_one_prompt_and_shows_logprobs(tiny_qwen, capsys):
+    from picovllm import LLM, SamplingParams
+
+    argv = ["generate", "-m", tiny_qwen[0], *ENGINE, "--temperature", "0", "--max-tokens", "5", "--ignore-eos"]
+    assert main([*argv, "--logprobs", "2", "Hello"]) == 0
+    out = capsys.readouterr().out
+    llm = LLM(tiny_qwen[0], device="cpu", dtype="float32", kv_cache_memory=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    expected = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+    head = f"--- 'Hello' [0]\nHello{expected.text}\n(5 tokens, length)\n"
+    assert out.startswith(head), out
+    for line, token, entries in zip(out[len(head) :].splitlines(), expected.token_ids, expected.logprobs, strict=True):
+        chosen = entries.pop(token)
+        assert len(entries) == 1  # (greedy: the sampled token is the first of the top 2)
+        (other,) = entries.values()
+        assert (
+            line
+            == f"  {chosen.decoded_token!r} {chosen.logprob:.3f}  (others: {other.decoded_token!r} {other.logprob:.3f})"
+        )
+    assert main(["chat", "-m", tiny_qwen[0], *ENGINE, "--n", "3"]) == 1
+    assert "chat keeps one conversation: --n must be 1" in capsys.readouterr().err

@@ -249,3 +249,83 @@ def test_when_the_engine_process_dies_streams_end_with_an_error_and_serve_exits_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_serve_logs_and_stops_in_one_line_leaving_no_process(tiny_qwen, how):
+    """`picovllm serve`: its log on stderr (at --log-level info: a request field it does not know);
+    Ctrl-C (SIGINT) or SIGTERM: "stopped", exit 0, no traceback, no process of its left."""
+    import signal
+
+    import psutil
+
+    proc, url = start_cli_server("serve", tiny_qwen[0], "--dtype", "float32", "--device", "cpu")
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children  # (the engine's process)
+        assert (
+            httpx.post(
+                url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "frobnicate": 1}, timeout=60
+            ).status_code
+            == 200
+        )
+        proc.send_signal(getattr(signal, how))
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+        assert "request field 'frobnicate' is not one this server knows: ignored" in err, err[-2000:]
+        assert err.rstrip().endswith("stopped") and "Traceback" not in err, err[-2000:]
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_qwen):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "serve", tiny_qwen[0], "--port", str(port)]
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "loading" not in out.stderr, out.stderr
+    assert out.stderr.strip() == f"picovllm serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_the_server_logs_its_throughput_every_few_seconds_not_while_idle(monkeypatch, caplog):
+    from picovllm.entrypoints import web
+
+    monkeypatch.setattr(web, "SAMPLE_S", 0.01)
+    monkeypatch.setattr(web, "LOG_STATS_S", 0.05)
+    idle = {
+        "prompt_tokens": 0.0,
+        "generation_tokens": 0.0,
+        "running": 0,
+        "waiting": 0,
+        "kv_usage": 0.25,
+        "hit_rate": 0.5,
+    }
+    busy = {**idle, "prompt_tokens": 100.0, "generation_tokens": 50.0, "running": 2}
+    said = "Running: 2 reqs, Waiting: 0 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 50.0%"
+    assert web.stats_line(idle, idle, 10.0) is None
+    line = web.stats_line(idle, busy, 10.0)
+    assert line == f"Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, {said}"
+    counters = dict(idle)
+
+    async def serve(history):
+        async with history.sampling():
+            await asyncio.sleep(0.15)  # idle: no line
+            counters.update(busy)
+            await asyncio.sleep(0.15)
+
+    for log_stats in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="picovllm"):
+            asyncio.run(serve(web.StatsHistory(lambda: dict(counters), log_stats)))
+        lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
+        assert all(said in line for line in lines) and bool(lines) == log_stats, lines

@@ -20,17 +20,38 @@ from picovllm.entrypoints.args import (
     sampling_values,
 )
 from picovllm.entrypoints.openai.tool_calls import TOOL_PARSERS
+from picovllm.logger import configure_logging
 
 GRACEFUL_SHUTDOWN_S = 5  # what open streams get to finish after Ctrl-C before they are cut
 DRAIN_S = 300  # what in-flight requests get to finish after SIGTERM (no new connection is taken)
 
 
-def _serve_http(app, host: str, port: int, log_level: str, engine=None) -> bool:
-    """uvicorn, stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or draining on SIGTERM:
-    it stops taking connections, and the requests in flight finish (within DRAIN_S); a prefill
-    instance then also waits for its held KV to be pulled or its leases to end (server.py).
-    With an engine, it also stops when the engine has died (its streams ended with the error):
-    returns False then, True when told to stop."""
+def _listen(host: str, port: int):
+    """A socket bound to host:port, for the server to take (_serve_http): a port in use is an
+    error before the model loads, not after. ValueError when it cannot be bound."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        sock.bind(address)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class _Stop(BaseException):
+    """SIGTERM, raised again by uvicorn once it has drained (_serve_http)."""
+
+
+def _serve_http(app, sock, log_level: str, engine=None) -> bool:
+    """uvicorn on sock (_listen), stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or
+    draining on SIGTERM: it stops taking connections, and the requests in flight finish (within
+    DRAIN_S); a prefill instance then also waits for its held KV to be pulled or its leases to
+    end (server.py). With an engine, it also stops when the engine has died (its streams ended
+    with the error): returns False then, True when told to stop. uvicorn raises the signal that
+    stopped it again once it has stopped: here that is the end, said in one line."""
     import signal
 
     import uvicorn
@@ -49,11 +70,19 @@ def _serve_http(app, host: str, port: int, log_level: str, engine=None) -> bool:
                 self.engine_died = True
             return self.engine_died or await super().on_tick(counter)
 
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
-    )
+    def stop(sig, frame):
+        raise _Stop
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = Server(config)
-    server.run()
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        server.run(sockets=[sock])
+    except (KeyboardInterrupt, _Stop):
+        _say("stopped")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        sock.close()
     return not server.engine_died
 
 
@@ -144,22 +173,63 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = _prompt_ids(kwargs, prompts, params, args.chat_template)
     llm = _start(kwargs, args.quiet)
     start = time.perf_counter()
-    outputs = llm.generate(prompt_ids, params, use_tqdm=not args.quiet)
-    seconds = time.perf_counter() - start
-    first = True
-    for prompt, out in zip(prompts, outputs, strict=True):
-        for completion in out.outputs:
-            if args.quiet:  # the completions alone, a blank line between two
-                print(("" if first else "\n") + completion.text)
-            else:
-                print(
-                    f"--- {prompt!r} [{completion.index}] ({len(completion.token_ids)} tokens, "
-                    f"{completion.finish_reason})\n{prompt if not args.chat_template else ''}{completion.text}"
-                )
-            first = False
+    if len(prompts) == 1 and params.n == 1:  # (one completion: its text as it comes)
+        outputs = [_stream(llm.llm_engine, prompts[0], prompt_ids[0], params, args)]
+    else:
+        outputs = llm.generate(prompt_ids, params, use_tqdm=not args.quiet)
+        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+            for completion in out.outputs:
+                _print_head(prompt, completion.index, args, first=i == 0 and completion.index == 0)
+                print(completion.text, end="")
+                _print_tail(completion, args)
     if not args.quiet:
-        _say(_summary(outputs, seconds))
+        _say(_summary(outputs, seconds=time.perf_counter() - start))
     return 0
+
+
+def _stream(engine, prompt: str, ids, params, args: argparse.Namespace):
+    """One request's completion printed as it is generated (params: CUMULATIVE, the default);
+    its last RequestOutput."""
+    rid = engine.add_request(None, ids, params)
+    _print_head(prompt, 0, args, first=True)
+    shown, last = 0, None
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                print(text[shown:], end="", flush=True)
+                shown, last = len(text), out
+            for _, why in engine.take_failed():
+                raise ValueError(why)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        print()
+        raise
+    _print_tail(last.outputs[0], args)
+    return last
+
+
+def _print_head(prompt: str, index: int, args: argparse.Namespace, first: bool) -> None:
+    """What comes before a completion's text: with --quiet a blank line between two, else a
+    line naming its prompt, then the prompt (the text goes on from it; not with a template)."""
+    if args.quiet:
+        print("" if first else "\n", end="")
+    else:
+        print(f"--- {prompt!r} [{index}]\n{prompt if not args.chat_template else ''}", end="")
+
+
+def _print_tail(completion, args: argparse.Namespace) -> None:
+    """What comes after a completion's text: its length and why it ended, and with --logprobs
+    each token's logprob and the top alternatives."""
+    print()
+    if args.quiet:
+        return
+    print(f"({len(completion.token_ids)} tokens, {completion.finish_reason})")
+    for token, entries in zip(completion.token_ids, completion.logprobs or []):
+        chosen = entries[token]
+        others = sorted((e for t, e in entries.items() if t != token), key=lambda e: e.rank)
+        top = ", ".join(f"{e.decoded_token!r} {e.logprob:.3f}" for e in others)
+        print(f"  {chosen.decoded_token!r} {chosen.logprob:.3f}" + (f"  (others: {top})" if top else ""))
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -167,6 +237,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from picovllm.sampling_params import RequestOutputKind
 
     params = sampling_params(args, max_tokens=1024, temperature=0.7, output_kind=RequestOutputKind.DELTA)
+    if params.n != 1:
+        raise ValueError("chat keeps one conversation: --n must be 1 (generate shows n completions)")
     tools = _read_tools(args.tools) if args.tools else None
     engine = _start(engine_kwargs(args)).llm_engine
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
@@ -256,8 +328,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     args.model = args.model_tag or args.model
     defaults = {k: v for k, v in sampling_values(args).items() if k not in ("n", "logprobs", "ignore_eos")}
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
+    sock = _listen(args.host, args.port)
     _say(f"loading {args.model or DEFAULT_MODEL}...")
-    engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
+    try:
+        engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_model_name or args.model or DEFAULT_MODEL
     app = build_app(
         engine,
@@ -269,6 +346,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         kv_secret=args.kv_transfer_secret,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        log_stats=not args.disable_log_stats,
     )
     _say(
         f"serving on http://{args.host}:{args.port}{'' if args.disable_web_ui else ' (open it for the chat page)'} "
@@ -276,7 +354,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     with frozen_heap():
         try:
-            stopped = _serve_http(app, args.host, args.port, args.log_level, engine)
+            stopped = _serve_http(app, sock, args.log_level, engine)
         finally:
             engine.shutdown()
     return 0 if stopped else 1  # (1: the engine died)
@@ -291,6 +369,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if problems:
         _say("picovllm router: " + "\n".join(problems))
         return 1
+    sock = _listen(args.host, args.port)
     app = build_router_app(
         args.prefill,
         args.decode,
@@ -304,7 +383,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         f"routing on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}"
         " (SIGTERM drains)"
     )
-    _serve_http(app, args.host, args.port, "warning")
+    _serve_http(app, sock, args.log_level)
     return 0
 
 
@@ -324,10 +403,26 @@ _KV_SECRET_HELP = (
 )
 
 
+def _log_level_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="what the server logs, and uvicorn (info)",
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad option is one line, and where the options are (argparse prints the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from picovllm.bench.cli import add_bench_parser
 
-    parser = argparse.ArgumentParser(prog="picovllm", description="Pico-vLLM: a compact, fast LLM inference engine.")
+    parser = _Parser(prog="picovllm", description="Pico-vLLM: a compact, fast LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine, sampling = engine_parser(), sampling_parser()
 
@@ -379,11 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     serve.add_argument("--disable-web-ui", action="store_true", help="no page at / (the chat playground and dashboard)")
+    _log_level_option(serve)
     serve.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn log level",
+        "--disable-log-stats", action="store_true", help="no line of throughput and queues in the log every 10 s"
     )
     serve.add_argument(
         "--disable-frontend-multiprocessing",
@@ -439,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="how often each instance's health is checked: one that fails is out until it passes (2)",
     )
+    _log_level_option(router)
     router.set_defaults(func=_cmd_router, parser=router)
 
     models = sub.add_parser("models", help="list built-in models")
@@ -453,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the subcommand's parser, with its usage
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    configure_logging(getattr(args, "log_level", "warning"))
     launched = envs.torchrun_ranks()
     try:
         if launched is not None and args.command == "bench" and args.bench == "prefix":

@@ -23,6 +23,7 @@ import torch
 from picovllm.config import EngineConfig
 from picovllm.distributed.parallel_state import destroy_distributed, init_distributed
 from picovllm.executor.executor import Executor, WorkerError
+from picovllm.logger import configure_logging
 from picovllm.messages import Shutdown, WorkerCommand, WorkerFailed, WorkerJoining, WorkerReady
 from picovllm.worker.worker import Worker, worker_device
 
@@ -174,6 +175,7 @@ def _rank_main(
     rank: int, world_size: int, init_method: str, backend: str, engine_args: dict, max_model_len: int, conn
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the ranks
+    configure_logging()  # (at the level of the command that started it, if one did)
     try:
         config = EngineConfig(**engine_args)
         device = worker_device(config, rank)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
 from picovllm.engine.llm_engine import LLMEngine
 from picovllm.kv_transfer_params import KVTransferParams
+from picovllm.logger import configure_logging
 from picovllm.messages import (
     AbortRequest,
     AddRequest,
@@ -295,6 +296,7 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     pipes, sending each step's outputs and the engine's metrics. Ctrl-C is the server's to
     handle: it shuts this process down with StopEngine, or by closing the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging()  # (at the level of the command that started it, if one did)
     try:
         engine = LLMEngine.from_engine_args(**engine_args)
     except BaseException as e:  # bad options: the server reports them and does not start

@@ -101,6 +101,7 @@ class ServerMetrics:
             "host_usage": 1 - m["kv_offload_blocks_free"] / host if host else None,
             "preemptions": m["num_preemptions"],
             "requests": finished,
+            "prompt_tokens": value("picovllm:prompt_tokens_total") or 0.0,
             "generation_tokens": value("picovllm:generation_tokens_total") or 0.0,
             "ttft_sum": value("picovllm:time_to_first_token_seconds_sum") or 0.0,
             "ttft_count": value("picovllm:time_to_first_token_seconds_count") or 0.0,

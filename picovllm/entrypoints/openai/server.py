@@ -91,11 +91,13 @@ def build_app(
     kv_secret: str | None = None,
     tool_call_parser: str = "hermes",
     enable_auto_tool_choice: bool = True,
+    log_stats: bool = True,
 ) -> FastAPI:
     """The server's app; web_ui: the page at / (entrypoints/web), with the dashboard's /stats
     (served either way); max_num_waiting: requests that may wait for the engine (None: no bound);
     kv_secret: a prefill or decode instance's --kv-transfer-secret (see kv_transfer_secret);
-    tool_call_parser, enable_auto_tool_choice: tool calling (entrypoints/openai/tool_calls.py)."""
+    tool_call_parser, enable_auto_tool_choice: tool calling (entrypoints/openai/tool_calls.py);
+    log_stats: a line of throughput and queues in the log every few seconds (entrypoints/web)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -135,7 +137,7 @@ def build_app(
     app.include_router(admin.router)
     app.include_router(tokenize.router)
     app.include_router(kv_transfer.router)
-    history = StatsHistory(lambda: metrics.snapshot(engine.get_metrics()))
+    history = StatsHistory(lambda: metrics.snapshot(engine.get_metrics()), log_stats)
     mount_web_ui(app, lambda: {"model": served_model_name, "role": engine.kv_role, **history.stats()}, web_ui)
     return app
 
