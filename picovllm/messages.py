@@ -65,6 +65,7 @@ class EngineReady:
     block_size: int
     kv_lease_s: float
     kv_compat: dict
+    metrics: dict  # (LLMEngine.get_metrics' at the start: the KV pool's size, ...)
 
 
 class CompletionDelta(NamedTuple):

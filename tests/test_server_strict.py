@@ -3,6 +3,7 @@ and the bounded waiting queue (503 with Retry-After)."""
 
 import asyncio
 import logging
+import re
 import time
 
 import httpx
@@ -273,6 +274,7 @@ def test_serve_logs_and_stops_in_one_line_leaving_no_process(tiny_qwen, how):
         assert proc.wait(timeout=30) == 0
         err = proc.stderr.read()
         assert "request field 'frobnicate' is not one this server knows: ignored" in err, err[-2000:]
+        assert re.search(r"ready in [\d.]+ s: '.*' \(\d+ KV blocks, max_model_len \d+\)\nserving on http://", err), err
         assert err.rstrip().endswith("stopped") and "Traceback" not in err, err[-2000:]
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, alive

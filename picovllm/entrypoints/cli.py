@@ -330,6 +330,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
     sock = _listen(args.host, args.port)
     _say(f"loading {args.model or DEFAULT_MODEL}...")
+    start = time.perf_counter()
     try:
         engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
     except BaseException:
@@ -348,7 +349,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         log_stats=not args.disable_log_stats,
     )
+    blocks = engine.get_metrics()["kv_blocks_total"]
     _say(
+        f"ready in {time.perf_counter() - start:.1f} s: {name!r} ({blocks} KV blocks, max_model_len "
+        f"{engine.max_model_len}{'' if engine.kv_role == 'both' else f', the {engine.kv_role} role'})\n"
         f"serving on http://{args.host}:{args.port}{'' if args.disable_web_ui else ' (open it for the chat page)'} "
         f"(Ctrl-C stops it; open streams get {GRACEFUL_SHUTDOWN_S} s to finish; SIGTERM drains)"
     )

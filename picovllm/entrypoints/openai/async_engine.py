@@ -312,6 +312,7 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
             config.block_size,
             config.kv_lease_s,
             engine.kv_compat,
+            engine.get_metrics(),
         )
     )
 
@@ -365,7 +366,7 @@ class EngineProcess(_Background):
         self.kv_role, self.block_size, self.kv_lease_s = ready.kv_role, ready.block_size, ready.kv_lease_s
         self.kv_compat = ready.kv_compat
         self.tokenizer = load_tokenizer(ready.tokenizer) if ready.tokenizer else None
-        self._metrics: dict[str, int] = {}
+        self._metrics: dict[str, int] = ready.metrics
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
         self._closing = False
