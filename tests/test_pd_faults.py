@@ -322,7 +322,7 @@ def test_a_connection_refused_is_retried_on_another_instance_and_ejects_the_firs
         assert [(r.status_code, r.json()["choices"][0]["text"]) for r in answers] == [
             (200, reference(PROMPTS[0], 4))
         ] * 4
-        assert _metrics(router)['router_requests_total{outcome="ok"}'] == 4
+        assert _metrics(router)['picovllm:router_requests_total{outcome="ok"}'] == 4
     finally:
         stop()
 

@@ -138,11 +138,14 @@ def test_errors_models_health_and_nothing_held_afterwards(pd):
     )
     list(stream)
     m = _metrics(router)
-    assert m['router_requests_total{outcome="ok"}'] == before.get('router_requests_total{outcome="ok"}', 0) + 1
-    assert m['router_requests_total{outcome="refused"}'] >= 1  # (the bad temperature above)
-    first_bytes = "router_time_to_first_byte_seconds_count"
+    assert (
+        m['picovllm:router_requests_total{outcome="ok"}']
+        == before.get('picovllm:router_requests_total{outcome="ok"}', 0) + 1
+    )
+    assert m['picovllm:router_requests_total{outcome="refused"}'] >= 1  # (the bad temperature above)
+    first_bytes = "picovllm:router_time_to_first_byte_seconds_count"
     assert m[first_bytes] == before.get(first_bytes, 0) + 1
-    assert m["router_inter_chunk_seconds_count"] > before.get("router_inter_chunk_seconds_count", 0)
+    assert m["picovllm:router_inter_chunk_seconds_count"] > before.get("picovllm:router_inter_chunk_seconds_count", 0)
     # every lease released by the decode instance's pulls; no request left on either side
     deadline = time.monotonic() + 5
     while _metrics(prefill)["picovllm:kv_blocks_held_for_pickup"] and time.monotonic() < deadline:

@@ -159,9 +159,9 @@ def run_pd_bench(
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     pulls = max(delta(after_d, before_d, "picovllm:kv_transfers_done"), 1)
-    prefills = max(delta(after_r, before_r, "router_prefill_seconds_count"), 1)
+    prefills = max(delta(after_r, before_r, "picovllm:router_prefill_seconds_count"), 1)
     split = {
-        "prefill_ms": 1e3 * delta(after_r, before_r, "router_prefill_seconds_sum") / prefills,
+        "prefill_ms": 1e3 * delta(after_r, before_r, "picovllm:router_prefill_seconds_sum") / prefills,
         "transfer_ms": 1e3 * delta(after_d, before_d, _PULL_SECONDS) / pulls,
     }
     split["rest_ms"] = pd["ttft_ms"]["mean"] - split["prefill_ms"] - split["transfer_ms"]

@@ -186,15 +186,21 @@ class _Router:
         self.prefill_timeout_s, self.decode_timeout_s = prefill_timeout_s, decode_timeout_s
         self.health_check_interval_s = health_check_interval_s
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("router_requests", "requests by outcome", ["outcome"], registry=registry)
+        self.requests = Counter("picovllm:router_requests", "requests by outcome", ["outcome"], registry=registry)
         self.prefill_s = Histogram(
-            "router_prefill_seconds", "time to the prefill instance's answer", registry=registry, buckets=_BUCKETS
+            "picovllm:router_prefill_seconds",
+            "time to the prefill instance's answer",
+            registry=registry,
+            buckets=_BUCKETS,
         )
         self.ttft = Histogram(
-            "router_time_to_first_byte_seconds", "time to the decode answer's first bytes", registry=registry
+            "picovllm:router_time_to_first_byte_seconds", "time to the decode answer's first bytes", registry=registry
         )
         self.itl = Histogram(
-            "router_inter_chunk_seconds", "time between a streamed answer's chunks", registry=registry, buckets=_BUCKETS
+            "picovllm:router_inter_chunk_seconds",
+            "time between a streamed answer's chunks",
+            registry=registry,
+            buckets=_BUCKETS,
         )
         self.session: aiohttp.ClientSession | None = None
         self.compat: dict[str, dict] = {}  # "kv": what the instances' KV is (the first instance found up)
