@@ -122,3 +122,20 @@ def test_offload_multi_turn_and_preemption(tiny_qwen, capsys):
     assert preemption["preempted"] and "nothing was preempted" not in capsys.readouterr().out
     roomy = run_preemption(kwargs, requests=2, prompt_len=8, output_len=4, pressure=0.25)  # (4x room)
     assert not roomy["preempted"] and "nothing was preempted: " in capsys.readouterr().out
+
+
+def test_benchmarks_take_cpu_sized_defaults_on_a_cpu_and_say_so(capsys):
+    from picovllm.bench.cli import sizes
+    from picovllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "latency", "--device", "cpu", "--input-len", "7"])
+    sizes(args)
+    assert (args.batch_sizes, args.input_len, args.output_len) == ([1, 8], 7, 64)
+    said = "[bench] on the CPU, sized to take minutes: --batch-sizes 1,8 --output-len 64 (give any"
+    assert capsys.readouterr().err.startswith(said)
+    args = build_parser().parse_args(["bench", "prefix"])
+    sizes(args, on_cpu=False)  # (as on a GPU)
+    assert (args.repeat, args.scale, args.conversations, args.concurrency) == (3, 1.0, 64, 16)
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--device", "cpu"])
+    sizes(args, on_cpu=False)
+    assert (args.num_prompts, args.concurrency) == (1000, 64) and capsys.readouterr().err == ""

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from picovllm.entrypoints.args import engine_kwargs, max_num_waiting, non_negative_int, positive_int, queue_parser
+from picovllm.bench.common import progress
+from picovllm.config import resolve_device
+from picovllm.entrypoints.args import (
+    engine_kwargs,
+    max_num_waiting,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    queue_parser,
+)
 
 
 def _ints(s: str) -> list[int]:
@@ -20,6 +29,33 @@ def _rate(s: str) -> float:
     return rate
 
 
+def _sized(group, flag: str, gpu, cpu, help: str = "", parser=None, **kwargs) -> None:
+    """An option whose default is gpu on a GPU and cpu on the CPU, where the GPU's sizes run for
+    many minutes (parser: group's, when group is an argument group); sizes() sets it."""
+    said = f"(default {_shown(gpu)}; on a CPU {_shown(cpu)})"
+    group.add_argument(flag, default=None, help=f"{help} {said}" if help else said, **kwargs)
+    parser = parser or group
+    dest = flag.lstrip("-").replace("-", "_")
+    parser.set_defaults(sized={**(parser.get_default("sized") or {}), dest: (flag, gpu, cpu)})
+
+
+def _shown(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def sizes(args: argparse.Namespace, on_cpu: bool | None = None) -> None:
+    """Each sized option not given takes its GPU or its CPU default, by where the run is (on_cpu;
+    None: where --device puts the engine); on the CPU a line says which were taken."""
+    on_cpu = resolve_device(args.device).type == "cpu" if on_cpu is None else on_cpu
+    taken = []
+    for dest, (flag, gpu, cpu) in (getattr(args, "sized", None) or {}).items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, cpu if on_cpu else gpu)
+            taken.append(f"{flag} {_shown(cpu)}")
+    if on_cpu and taken:
+        progress(f"on the CPU, sized to take minutes: {' '.join(taken)} (give any of them to change it)")
+
+
 def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     bench = sub.add_parser("bench", help="benchmarks: latency, throughput, prefix, preemption, serve, structured, pd")
     bench.set_defaults(parser=bench)
@@ -31,9 +67,9 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         help="decode speed at fixed batch sizes",
         description="Decode ms/step, tok/s and achieved memory bandwidth per batch size.",
     )
-    lat.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)")
-    lat.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (default 128)")
-    lat.add_argument("--output-len", type=positive_int, default=512, help="generated tokens (default 512)")
+    _sized(lat, "--batch-sizes", [1, 8, 32, 128], [1, 8], type=_ints, help="comma-separated")
+    _sized(lat, "--input-len", 128, 32, type=positive_int, help="prompt tokens")
+    _sized(lat, "--output-len", 512, 64, type=positive_int, help="generated tokens")
     lat.add_argument(
         "--hf",
         action="append",
@@ -52,9 +88,9 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         help="offline throughput",
         description="256 requests, lengths uniform in [100, 1024], ignore_eos, T=0.6.",
     )
-    thr.add_argument("--num-prompts", type=positive_int, default=256)
-    thr.add_argument("--min-len", type=positive_int, default=100)
-    thr.add_argument("--max-len", type=positive_int, default=1024)
+    _sized(thr, "--num-prompts", 256, 16, type=positive_int)
+    _sized(thr, "--min-len", 100, 16, type=positive_int)
+    _sized(thr, "--max-len", 1024, 64, type=positive_int)
     thr.add_argument("--seed", type=non_negative_int, default=0)
     thr.set_defaults(func=_throughput, parser=thr)
 
@@ -65,15 +101,16 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         description="Shared system prompts, a long shared prefix, and no sharing; cache on against off. "
         "Then multi-turn chats whose histories outgrow the GPU pool: the host tier off against on.",
     )
-    pre.add_argument("--repeat", type=positive_int, default=3, help="wall-time runs per engine, best kept")
+    _sized(pre, "--repeat", 3, 1, type=positive_int, help="wall-time runs per engine, best kept")
+    _sized(pre, "--scale", 1.0, 0.25, type=positive_float, help="(a)-(c)'s lengths times this")
     pre.add_argument("--seed", type=non_negative_int, default=0)
     mt = pre.add_argument_group("(d) multi-turn chats, the KV cache's host tier off and on")
-    mt.add_argument("--conversations", type=positive_int, default=64)
-    mt.add_argument("--turns", type=positive_int, default=8)
-    mt.add_argument("--first-len", type=positive_int, default=1024, help="the first prompt's tokens")
-    mt.add_argument("--turn-len", type=positive_int, default=96, help="new tokens a later turn adds")
-    mt.add_argument("--answer-len", type=positive_int, default=32, help="an answer's tokens")
-    mt.add_argument("--concurrency", type=positive_int, default=16, help="sequences that run at a time")
+    _sized(mt, "--conversations", 64, 8, type=positive_int, parser=pre)
+    _sized(mt, "--turns", 8, 3, type=positive_int, parser=pre)
+    _sized(mt, "--first-len", 1024, 128, type=positive_int, help="the first prompt's tokens", parser=pre)
+    _sized(mt, "--turn-len", 96, 16, type=positive_int, help="new tokens a later turn adds", parser=pre)
+    _sized(mt, "--answer-len", 32, 8, type=positive_int, help="an answer's tokens", parser=pre)
+    _sized(mt, "--concurrency", 16, 4, type=positive_int, help="sequences that run at a time", parser=pre)
     mt.add_argument("--pressure", type=float, default=3.5, help="the final histories' KV / the GPU pool")
     pre.set_defaults(func=_prefix, parser=pre)
 
@@ -84,9 +121,9 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         description="Requests at once in a GPU pool that holds a fraction of their KV: preemption_mode "
         "recompute, then swap (to a host tier the benchmark sizes): throughput, latency percentiles.",
     )
-    pmt.add_argument("--requests", type=positive_int, default=64)
-    pmt.add_argument("--input-len", type=positive_int, default=1024)
-    pmt.add_argument("--output-len", type=positive_int, default=256)
+    _sized(pmt, "--requests", 64, 8, type=positive_int)
+    _sized(pmt, "--input-len", 1024, 64, type=positive_int)
+    _sized(pmt, "--output-len", 256, 32, type=positive_int)
     pmt.add_argument("--pressure", type=float, default=3.5, help="the requests' KV / the GPU pool")
     pmt.add_argument("--seed", type=non_negative_int, default=0)
     pmt.set_defaults(func=_preemption, parser=pmt)
@@ -101,16 +138,18 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--api-key", default=None)
-    srv.add_argument(
+    _sized(
+        srv,
         "--num-prompts",
+        1000,
+        32,
         type=positive_int,
-        default=1000,
         help="requests in all (vLLM's default; with fewer, the start and the drain weigh on the percentiles)",
     )
-    srv.add_argument("--concurrency", type=positive_int, default=64)
+    _sized(srv, "--concurrency", 64, 8, type=positive_int)
     srv.add_argument("--request-rate", type=_rate, default=float("inf"), help="requests/s (Poisson); default: all")
-    srv.add_argument("--input-len", type=positive_int, default=512)
-    srv.add_argument("--output-len", type=positive_int, default=128)
+    _sized(srv, "--input-len", 512, 64, type=positive_int)
+    _sized(srv, "--output-len", 128, 32, type=positive_int)
     srv.add_argument(
         "--disable-frontend-multiprocessing",
         action="store_true",
@@ -133,9 +172,9 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         description="A batch decodes the same number of tokens unconstrained, then under a JSON schema; "
         "and the grammar compile times. A dummy model needs --tokenizer DIR.",
     )
-    st.add_argument("--batch-size", type=positive_int, default=64)
-    st.add_argument("--input-len", type=positive_int, default=128)
-    st.add_argument("--output-len", type=positive_int, default=256)
+    _sized(st, "--batch-size", 64, 8, type=positive_int)
+    _sized(st, "--input-len", 128, 32, type=positive_int)
+    _sized(st, "--output-len", 256, 32, type=positive_int)
     st.add_argument("--seed", type=non_negative_int, default=0)
     st.set_defaults(func=_structured, parser=st)
 
@@ -156,6 +195,7 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
 
 
 def _latency(args: argparse.Namespace) -> int:
+    sizes(args)
     from picovllm.bench.latency import run_latency
 
     kwargs = engine_kwargs(args)
@@ -165,6 +205,7 @@ def _latency(args: argparse.Namespace) -> int:
 
 
 def _structured(args: argparse.Namespace) -> int:
+    sizes(args)
     from picovllm.bench.structured import run_structured
 
     run_structured(engine_kwargs(args), args.batch_size, args.input_len, args.output_len, args.seed)
@@ -172,6 +213,7 @@ def _structured(args: argparse.Namespace) -> int:
 
 
 def _throughput(args: argparse.Namespace) -> int:
+    sizes(args)
     from picovllm.bench.throughput import run_throughput
 
     run_throughput(engine_kwargs(args), args.num_prompts, args.min_len, args.max_len, args.seed)
@@ -187,6 +229,7 @@ def _own_pools(args: argparse.Namespace) -> dict:
 
 
 def _preemption(args: argparse.Namespace) -> int:
+    sizes(args)
     from picovllm.bench.offload import run_preemption
 
     run_preemption(_own_pools(args), args.requests, args.input_len, args.output_len, args.pressure, args.seed)
@@ -194,10 +237,11 @@ def _preemption(args: argparse.Namespace) -> int:
 
 
 def _prefix(args: argparse.Namespace) -> int:
+    sizes(args)
     from picovllm.bench.offload import run_multi_turn
     from picovllm.bench.prefix import run_prefix
 
-    run_prefix(engine_kwargs(args), args.seed, args.repeat)
+    run_prefix(engine_kwargs(args), args.seed, args.repeat, args.scale)
     run_multi_turn(
         _own_pools(args),
         args.conversations,
@@ -213,6 +257,7 @@ def _prefix(args: argparse.Namespace) -> int:
 
 
 def _pd(args: argparse.Namespace) -> int:
+    sizes(args)
     from picovllm.bench.pd import run_pd_bench
 
     run_pd_bench(
@@ -228,6 +273,7 @@ def _pd(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    sizes(args, on_cpu=False if args.base_url else None)  # (a running server's sizes: a GPU's)
     from picovllm.bench.serve import EngineProbe, run_serve_bench
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
 

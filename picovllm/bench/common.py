@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 
 import numpy as np
@@ -87,6 +88,11 @@ def decode_bytes_per_step(model: torch.nn.Module, batch: int, context: int, kv_b
         else:
             total += p.numel() * p.element_size()
     return total + batch * context * kv_bytes_per_token
+
+
+def progress(text: str) -> None:
+    """A line on stderr saying what the benchmark runs now (a run takes minutes on a CPU)."""
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

@@ -8,7 +8,15 @@ import time
 
 import numpy as np
 
-from picovllm.bench.common import copy_bandwidth, decode_bytes_per_step, plot_latency, print_json, print_table, sync
+from picovllm.bench.common import (
+    copy_bandwidth,
+    decode_bytes_per_step,
+    plot_latency,
+    print_json,
+    print_table,
+    progress,
+    sync,
+)
 from picovllm.bench.hf_baseline import HFRunner
 from picovllm.sampling_params import SamplingParams
 
@@ -87,6 +95,7 @@ def run_latency(
     bandwidth = copy_bandwidth(device)
     rows = []
     for batch in batch_sizes:
+        progress(f"batch {batch}: {input_len} prompt tokens, {output_len} decoded, {repeat} time(s) each")
         prompts = _prompts(batch, input_len, ours.vocab_size, seed)
         for _, runner in systems:
             # warm-up; compiled HF compiles here, for its longest static cache first (generate keeps

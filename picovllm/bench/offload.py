@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from picovllm.bench.common import measure_rate, ms_stats, print_json, print_table, sync
+from picovllm.bench.common import measure_rate, ms_stats, print_json, print_table, progress, sync
 from picovllm.sampling_params import SamplingParams
 
 
@@ -119,6 +119,7 @@ def run_multi_turn(
     shape.update(output_len=output_len, vocab=vocab, final=final, seed=seed)
     results = {}
     for offload in (0, int(working_set * 1.25)):
+        progress(f"{conversations} multi-turn chats of {turns} turns, the host tier {'on' if offload else 'off'}")
         llm = _engine(
             kwargs, kv_cache_memory=pool, kv_offload_memory=offload, max_num_seqs=max_num_seqs, max_model_len=final + bs
         )
@@ -230,6 +231,7 @@ def run_preemption(
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     rows, tokens = [], {}
     for mode in ("recompute", "swap"):
+        progress(f"{requests} requests at once, preemption by {mode}")
         llm = _engine(
             kwargs,
             kv_cache_memory=pool,

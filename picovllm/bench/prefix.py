@@ -31,6 +31,7 @@ from picovllm.bench.common import (
     matmul_flops,
     print_json,
     print_table,
+    progress,
     sync,
 )
 from picovllm.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ def _scenarios(rng: random.Random, vocab: int, scale: float) -> dict[str, list[l
     shared = toks(2083)
     return {
         "a: 3 system prompts x 3 rounds": [s + toks(16) for _ in range(3) for s in systems],
-        "b: 2083-token prefix + 8 queries": [shared + toks(rng.randint(28, 48)) for _ in range(8)],
+        f"b: {len(shared)}-token prefix + 8 queries": [shared + toks(rng.randint(28, 48)) for _ in range(8)],
         "c: no shared prefix": [toks(256) for _ in range(64)],
     }
 
@@ -144,6 +145,7 @@ def _measure(llm, mode: str, scenarios: dict, warmup: dict, floors: Floors, repe
         llm.reset_prefix_cache()
     rows = {}
     for name, prompts in scenarios.items():
+        progress(f"prefix caching {mode}: {name}")
         rounds = 3 if name.startswith("a") else 1
         llm.reset_prefix_cache()
         before = llm.get_metrics()

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from picovllm.bench.common import print_json, print_table, sync
+from picovllm.bench.common import print_json, print_table, progress, sync
 from picovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 LONG = {  # (never complete within the benchmark's output length)
@@ -76,6 +76,7 @@ def run_structured(llm_kwargs: dict, batch_size: int, input_len: int, output_len
     )
     rows = []
     for name, params in (("unconstrained", free), ("json schema", constrained)):
+        progress(f"{batch_size} requests decoding {output_len} tokens, {name}")
         torch.manual_seed(seed)  # (the same samples, run after run: the grammars' states with them)
         sync(engine.device)
         steps, start = engine.num_steps, time.perf_counter()
