@@ -39,7 +39,10 @@ def process_prompt(
         prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer (the engine was started without one)")
+            raise ValueError(
+                "a text prompt needs a tokenizer, and the engine has none (a dummy: model, or "
+                "skip_tokenizer_init): give token ids ({'prompt_token_ids': [...]}) or a tokenizer"
+            )
         text, ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
         text, ids, vocab = None, list(prompt), vocab_size
