@@ -331,3 +331,27 @@ def test_the_server_logs_its_throughput_every_few_seconds_not_while_idle(monkeyp
             asyncio.run(serve(web.StatsHistory(lambda: dict(counters), log_stats)))
         lines = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
         assert all(said in line for line in lines) and bool(lines) == log_stats, lines
+
+
+def test_each_completion_counts_once_in_the_success_counter_and_the_latencies():
+    """n = 2: two requests finished, two times to first token, two end-to-end latencies (as vLLM
+    counts its child requests), whatever steps their tokens came in."""
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    metrics = ServerMetrics()
+    tracker = metrics.track()
+    steps = [([5], []), ([6], [7]), ([], [8])]  # (completion 0's new tokens, completion 1's)
+    for i, (a, b) in enumerate(steps):
+        last = i == len(steps) - 1
+        outs = [
+            CompletionOutput(0, "", a, finish_reason="stop" if last else None),
+            CompletionOutput(1, "", b, finish_reason="length" if last else None),
+        ]
+        tracker.update(RequestOutput("r", None, [1, 2, 3], outs, finished=last))
+    value = metrics.registry.get_sample_value
+    assert value("picovllm:request_success_total", {"finished_reason": "stop"}) == 1
+    assert value("picovllm:request_success_total", {"finished_reason": "length"}) == 1
+    assert value("picovllm:e2e_request_latency_seconds_count") == 2
+    assert value("picovllm:time_to_first_token_seconds_count") == 2
+    assert value("picovllm:generation_tokens_total") == 4 and value("picovllm:prompt_tokens_total") == 3

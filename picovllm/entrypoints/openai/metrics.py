@@ -142,28 +142,31 @@ class _TransferTime:
 
 
 class RequestTracker:
-    """Per request, from its DELTA outputs: TTFT at its first token, inter-token latency per
-    token, end-to-end at the end."""
+    """Per request, from its DELTA outputs: TTFT at each completion's first token, inter-token
+    latency per token, end-to-end at the end. Each of the n completions counts as a request (as
+    vLLM counts its child requests), in the success counter and the latency histograms alike."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
         self.start = self.last = time.perf_counter()
         self.tokens = 0
+        self.started: set[int] = set()  # the completions (index) that have their first token
 
     def update(self, out: RequestOutput) -> None:
         m, now = self.metrics, time.perf_counter()
-        new = sum(len(c.token_ids) for c in out.outputs)
-        tokens = self.tokens + new
-        if new > 0:
-            if self.tokens == 0:
+        for c in out.outputs:
+            if c.token_ids and c.index not in self.started:
+                self.started.add(c.index)
                 m.ttft.observe(now - self.start)
-            else:
+        new = sum(len(c.token_ids) for c in out.outputs)
+        if new > 0:
+            if self.tokens:
                 for _ in range(new):
                     m.itl.observe((now - self.last) / new)
             m.generation_tokens.inc(new)
-            self.tokens, self.last = tokens, now
+            self.tokens, self.last = self.tokens + new, now
         if out.finished:
-            m.e2e.observe(now - self.start)
             m.prompt_tokens.inc(len(out.prompt_token_ids))
             for c in out.outputs:
+                m.e2e.observe(now - self.start)
                 m.requests.labels(finished_reason=c.finish_reason or "abort").inc()
