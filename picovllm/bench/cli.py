@@ -33,10 +33,9 @@ def _sized(group, flag: str, gpu, cpu, help: str = "", parser=None, **kwargs) ->
     """An option whose default is gpu on a GPU and cpu on the CPU, where the GPU's sizes run for
     many minutes (parser: group's, when group is an argument group); sizes() sets it."""
     said = f"(default {_shown(gpu)}; on a CPU {_shown(cpu)})"
-    group.add_argument(flag, default=None, help=f"{help} {said}" if help else said, **kwargs)
+    action = group.add_argument(flag, default=None, help=f"{help} {said}" if help else said, **kwargs)
     parser = parser or group
-    dest = flag.lstrip("-").replace("-", "_")
-    parser.set_defaults(sized={**(parser.get_default("sized") or {}), dest: (flag, gpu, cpu)})
+    parser.set_defaults(sized={**(parser.get_default("sized") or {}), action.dest: (flag, gpu, cpu)})
 
 
 def _shown(value) -> str:

@@ -12,8 +12,8 @@ it compiled): a request waits for its grammar outside the scheduler
 last token on the host; with async scheduling, a step launched ahead of that token runs its
 forward at once and samples later (StepLauncher.launch's defer, then sample_deferred), once the
 token is read and the bitmask filled, as SGLang's overlap scheduler does: the forward still
-overlaps the host's work, only the sampling waits for it. The bitmask fills on other threads
-while the engine processes the step's outputs (StepLauncher.take_tokens).
+overlaps the host's work, only the sampling waits for it. The bitmask fills on a thread of its
+own while the engine processes the step's outputs (StepLauncher.take_tokens).
 
 JSON is constrained to its compact form (no free whitespace between tokens): a model can then
 not pad an answer with whitespace until max_tokens.
@@ -168,8 +168,8 @@ class BitmaskFiller:
     launched, or whose grammar is complete: all), on the host (pinned for a GPU). xgrammar's batch
     matcher fills all the rows in one call, in C++ without the GIL; start() makes that call from a
     thread of the filler's, so that the engine processes a step's outputs while the next step's
-    bitmask fills. (One thread: xgrammar's own threads on top made the steps slower on the H200's
-    host: benchmarks/README.md.)"""
+    bitmask fills. One thread fills: xgrammar's own threads on top compete with the engine's for
+    the host's cores and slowed the step (measured: benchmarks/README.md)."""
 
     def __init__(self, vocab_size: int, pin_memory: bool):
         self.vocab_size, self.pin_memory = vocab_size, pin_memory  # (pinned: its copy to the GPU waits for nothing)

@@ -387,7 +387,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         f"routing on http://{args.host}:{args.port}: prefill {', '.join(args.prefill)}; decode {', '.join(args.decode)}"
         " (SIGTERM drains)"
     )
-    _serve_http(app, sock, args.log_level)
+    _serve_http(app, sock, "warning")  # (uvicorn's access lines: one a request the router relays)
     return 0
 
 
@@ -407,12 +407,9 @@ _KV_SECRET_HELP = (
 )
 
 
-def _log_level_option(parser: argparse.ArgumentParser) -> None:
+def _log_level_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="what the server logs, and uvicorn (info)",
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help=help
     )
 
 
@@ -478,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     serve.add_argument("--disable-web-ui", action="store_true", help="no page at / (the chat playground and dashboard)")
-    _log_level_option(serve)
+    _log_level_option(serve, "what the server logs, and uvicorn (info)")
     serve.add_argument(
         "--disable-log-stats", action="store_true", help="no line of throughput and queues in the log every 10 s"
     )
@@ -536,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="how often each instance's health is checked: one that fails is out until it passes (2)",
     )
-    _log_level_option(router)
+    _log_level_option(router, "what the router logs (info; uvicorn's own lines: warnings)")
     router.set_defaults(func=_cmd_router, parser=router)
 
     models = sub.add_parser("models", help="list built-in models")
