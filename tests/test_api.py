@@ -1,6 +1,8 @@
 """The vLLM-style API: prompt forms, output order, n > 1, stop handling, chat, logprobs, abort,
 and clear errors on bad input while the engine keeps serving."""
 
+import dataclasses
+
 import pytest
 from conftest import engine_args, make_llm
 from hf_reference import hf_greedy
@@ -238,6 +240,32 @@ def test_final_only_outputs_come_once(tiny_qwen):
     ]
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="final")
+
+
+def test_final_only_text_is_decoded_at_the_end_as_streaming_shows_it(tiny_qwen):
+    """A FINAL_ONLY request without stop strings is not detokenized while it runs (no DecodeStream:
+    host time per token saved); its final text is what the same request streamed shows, whether it
+    ends at max_tokens, at a stop token or with n = 2. With a stop string it is detokenized as it runs."""
+    engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    requests = {
+        "length": ("Zürich, Köln", SamplingParams(max_tokens=24, ignore_eos=True, seed=3)),
+        "stopped": ("Hello", SamplingParams(n=2, max_tokens=60, seed=4, stop_token_ids=list(range(100, 130)))),
+        "stop": ("café", SamplingParams(max_tokens=30, ignore_eos=True, seed=5, stop=["zz"])),
+    }
+    texts = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, dataclasses.replace(params, output_kind=kind))
+        streams = {rid: [c.decode_stream is not None for c in g.children] for rid, g in engine.groups.items()}
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update({o.request_id: [(c.text, c.finish_reason) for c in o.outputs] for o in engine.step()})
+        texts[kind] = final
+        final_only = kind is RequestOutputKind.FINAL_ONLY
+        assert streams == {"length": [not final_only], "stopped": [not final_only] * 2, "stop": [True]}
+    assert texts[RequestOutputKind.FINAL_ONLY] == texts[RequestOutputKind.CUMULATIVE]
+    ends = [end for outs in texts[RequestOutputKind.FINAL_ONLY].values() for end in outs]
+    assert {r for _, r in ends} == {"stop", "length"} and all(text for text, r in ends if r == "length")
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones_and_never_take_text_back(tiny_qwen):

@@ -10,7 +10,7 @@ import random
 import pytest
 from tiny_models import CORPUS, SPECIAL, build_tokenizer
 
-from picovllm import SamplingParams
+from picovllm import RequestOutputKind, SamplingParams
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.engine.request import Request
 
@@ -48,6 +48,20 @@ def _streamed(detok: Detokenizer, prompt: list[int], output: list[int], skip: bo
     return texts + [req.output_text]
 
 
+def _decoded_at_the_end(detok: Detokenizer, prompt: list[int], output: list[int], skip: bool, stopped: bool) -> str:
+    """req.output_text of a request whose text is wanted only at its end (FINAL_ONLY, no stop
+    string): nothing while it runs; all of it once it ends at its length (flush) or at its last
+    token, a stop token left out of the text (stopped)."""
+    params = SamplingParams(skip_special_tokens=skip, output_kind=RequestOutputKind.FINAL_ONLY)
+    req = Request("r", "r", 0, None, prompt, params, 0, None)
+    detok.start(req)
+    for token in output:
+        req.token_ids.append(token)
+        assert detok.step(req) is None and req.output_text == "" and req.decode_stream is None
+    detok.stopped(req) if stopped else detok.flush(req)
+    return req.output_text
+
+
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("seed", range(6))
 def test_streamed_text_equals_the_whole_decode(tokenizer, skip, seed):
@@ -71,6 +85,9 @@ def test_streamed_text_equals_the_whole_decode(tokenizer, skip, seed):
     windowed.backend = None
     texts = _streamed(fast, prompt, output, skip)
     assert texts == _streamed(windowed, prompt, output, skip)
+    # at the end, the text streaming shows: after a flush, or up to the last token but one
+    assert _decoded_at_the_end(fast, prompt, output, skip, stopped=False) == texts[-1]
+    assert _decoded_at_the_end(fast, prompt, output, skip, stopped=True) == texts[-3]
     assert all(a == b[: len(a)] for a, b in zip(texts, texts[1:]))  # text only ever grows
     whole = tokenizer.decode(prompt + output, skip_special_tokens=skip)
     head = tokenizer.decode(prompt, skip_special_tokens=skip)

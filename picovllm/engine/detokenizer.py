@@ -7,6 +7,10 @@ spacing, a few times faster than the windowed decoding that other tokenizers use
 calls over the newest tokens per step). At the end, text still
 held back (an incomplete character) is decoded as a whole `decode` would show it.
 
+A request whose text nothing reads before it ends (RequestOutputKind.FINAL_ONLY, LLM.generate's,
+and no stop string to look for) is decoded once, when it ends (req.text_at_end): the same text,
+without the per-token work.
+
 Text that a stop string found later could still cut off is not final (final_text_len): streams
 send only final text, so that what a client has seen is never taken back.
 """
@@ -17,6 +21,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from picovllm.engine.request import Request
+from picovllm.sampling_params import RequestOutputKind
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for correct spacing
 
@@ -33,14 +38,23 @@ class Detokenizer:
         req.read_offset = req.num_prompt_tokens
         req.prefix_offset = max(req.num_prompt_tokens - _PROMPT_CONTEXT, 0)
         if self.backend is not None:
-            req.decode_stream = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
-            for token in req.token_ids[req.prefix_offset : req.read_offset]:
-                req.decode_stream.step(self.backend, token)
-            req.num_streamed = req.read_offset
+            p = req.params
+            req.text_at_end = p.output_kind is RequestOutputKind.FINAL_ONLY and not p.stop
+            if not req.text_at_end:
+                self._open_stream(req)
+
+    def _open_stream(self, req: Request) -> None:
+        req.decode_stream = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
+        for token in req.token_ids[req.prefix_offset : req.read_offset]:
+            req.decode_stream.step(self.backend, token)
+        req.num_streamed = req.read_offset
 
     def step(self, req: Request) -> str | None:
         """Append the text of the newest token(s) to req.output_text; return the stop string
-        that matched (the text is then trimmed at it), else None."""
+        that matched (the text is then trimmed at it), else None. Nothing for a request decoded
+        at its end (see stopped and flush)."""
+        if req.text_at_end:
+            return None
         new_text = self._stream(req) if self.backend is not None else self._window(req)
         if not new_text:
             return None
@@ -50,14 +64,23 @@ class Detokenizer:
             return None
         return self._check_stop(req, old_len)
 
-    def _stream(self, req: Request) -> str:
+    def stopped(self, req: Request) -> None:
+        """req ended at its last token (EOS, a stop token, its grammar), which is not part of its
+        text: a request decoded at its end gets the text that streaming would have shown."""
+        if req.text_at_end:
+            self._open_stream(req)
+            req.output_text = self._stream(req, len(req.token_ids) - 1)
+
+    def _stream(self, req: Request, end: int | None = None) -> str:
+        """The text of tokens num_streamed..end (None: all) that is complete."""
         ids, pieces = req.token_ids, []
-        for i in range(req.num_streamed, len(ids)):
+        end = len(ids) if end is None else end
+        for i in range(req.num_streamed, end):
             piece = req.decode_stream.step(self.backend, ids[i])
             if piece:
                 pieces.append(piece)
                 req.read_offset = i + 1
-        req.num_streamed = len(ids)
+        req.num_streamed = end
         req.prefix_offset = max(req.read_offset - _PROMPT_CONTEXT, 0)  # (for flush)
         return "".join(pieces)
 
@@ -75,7 +98,8 @@ class Detokenizer:
 
     def flush(self, req: Request) -> str | None:
         """At the end of a request, append text still held back (an incomplete character at the
-        very end stays as U+FFFD, as decoding all the tokens gives); return a stop string hit."""
+        very end stays as U+FFFD, as decoding all the tokens gives); return a stop string hit. (A
+        request decoded at its end gets all its text here, in one decode.)"""
         new_text = self._window(req, final=True)
         if not new_text:
             return None

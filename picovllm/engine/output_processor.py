@@ -80,6 +80,8 @@ class OutputProcessor:
             if reason is None:
                 reason, stop_reason = self._check_finished(req, token)
             if reason is not None:
+                if reason != "length" and self.detokenizer is not None and req.params.detokenize:
+                    self.detokenizer.stopped(req)
                 req.stop_reason = stop_reason
                 if req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode:
                     self.groups[req.parent_id].kv_transfer_params = self.kv_handoff.hold(req)
