@@ -8,7 +8,8 @@ other setting is an engine option (EngineConfig, CLI flags). The model cache's l
     PICOVLLM_DISABLE_TRITON=1    run the PyTorch reference of every kernel, also on a GPU (no
                                  CUDA graphs then; read when picovllm.kernels is imported)
     PICOVLLM_LOGGING_LEVEL=info  the picovllm logger's level in a process the command line
-                                 started (set by it: logger.py)
+                                 started (set by it: logger.py), and LLM()'s (default info)
+    PICOVLLM_CONFIGURE_LOGGING=0 LLM() leaves logging alone (as vLLM's VLLM_CONFIGURE_LOGGING)
 
 And what torchrun sets, to start the tensor-parallel ranks as its processes: RANK, WORLD_SIZE
 and LOCAL_RANK (torch.distributed reads MASTER_ADDR and MASTER_PORT itself).
@@ -29,6 +30,10 @@ def check_invariants() -> bool:
 
 def disable_triton() -> bool:
     return _flag("PICOVLLM_DISABLE_TRITON")
+
+
+def configure_logging() -> bool:
+    return os.environ.get("PICOVLLM_CONFIGURE_LOGGING", "1") != "0"
 
 
 def logging_level() -> str | None:

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from picovllm.engine.input_processor import PromptType
 from picovllm.engine.llm_engine import LLMEngine
+from picovllm.logger import configure_default_logging
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,6 +27,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto", seed: int = 0, **kwargs):
+        configure_default_logging()  # (start-up lines at info, as vLLM's)
         self.llm_engine = LLMEngine.from_engine_args(model=model, dtype=dtype, device=device, seed=seed, **kwargs)
         self._request_counter = 0
 

@@ -2,8 +2,9 @@
 failed) goes to stderr, one line a message, `LEVEL MM-DD HH:MM:SS message` as vLLM's, once an
 entry point has called configure_logging: the command line does, at `--log-level` (serve,
 router; info) or warning (the other commands), and so does every process it starts
-(PICOVLLM_LOGGING_LEVEL carries the level to them). A program on the Python API sets up logging
-itself; without that, Python's last resort prints warnings and errors alone."""
+(PICOVLLM_LOGGING_LEVEL carries the level to them). On the Python API, LLM() does the same at
+info (configure_default_logging), as vLLM does, unless the program has set up logging itself or
+PICOVLLM_CONFIGURE_LOGGING=0 (vLLM's VLLM_CONFIGURE_LOGGING)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ def configure_logging(level: str | None = None) -> None:
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         logger.addHandler(_StderrHandler())
     logger.setLevel(level.upper())
+
+
+def configure_default_logging() -> None:
+    """configure_logging at PICOVLLM_LOGGING_LEVEL's level, else info, unless an entry point has
+    configured the picovllm logger, the program has configured logging (the root logger has a
+    handler: the messages go there) or PICOVLLM_CONFIGURE_LOGGING=0."""
+    if envs.configure_logging() and not logging.getLogger("picovllm").handlers and not logging.getLogger().handlers:
+        configure_logging(envs.logging_level() or "info")

@@ -2,6 +2,9 @@
 and clear errors on bad input while the engine keeps serving."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import engine_args, make_llm
@@ -379,3 +382,29 @@ def test_an_engine_is_freed_as_soon_as_its_last_reference_goes(tiny_qwen):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_llm_logs_its_start_up_as_vllm_does(tiny_qwen):
+    """LLM() says on stderr what it is doing as it starts (the picovllm logger at info, vLLM's
+    default), not when the program has set up logging itself (the lines go to its handlers, once
+    each) nor with PICOVLLM_CONFIGURE_LOGGING=0."""
+    build = f"from picovllm import LLM; LLM({tiny_qwen[0]!r}, device='cpu', dtype='float32', kv_cache_memory=1 << 20)"
+    stages = ["loading Qwen2ForCausalLM", "weights loaded in", "KV cache: ", "engine ready in"]
+
+    def start(script: str, **env) -> list[str]:
+        run = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        return [line for line in run.stderr.splitlines() if "picovllm" in line or line.startswith("INFO ")]
+
+    lines = start(build, PICOVLLM_LOGGING_LEVEL="")
+    assert [stage for line in lines for stage in stages if stage in line] == stages, lines
+    assert all(line.startswith("INFO ") for line in lines), lines
+    assert start(build, PICOVLLM_CONFIGURE_LOGGING="0", PICOVLLM_LOGGING_LEVEL="") == []
+    own = start(
+        "import logging; logging.basicConfig(level=logging.INFO, format='%(name)s| %(message)s'); " + build,
+        PICOVLLM_LOGGING_LEVEL="",
+    )
+    assert [stage for line in own for stage in stages if stage in line] == stages, own
+    assert all(line.startswith("picovllm| ") for line in own), own

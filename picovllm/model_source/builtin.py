@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -152,6 +153,7 @@ def ensure_builtin(name: str) -> str:
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
     paths = [_locate(module, file, model.install) for module, file in model.parts]
+    tqdm.write(f"{name}: first use, converting its weights (about a minute on 2 cores)", file=sys.stderr)
     os.makedirs(cache_root(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root(), prefix=".assemble-") as tmp:
         gguf_path = os.path.join(tmp, f"{name}.gguf")

@@ -1,12 +1,15 @@
 """Convert a GGUF file (dequantized with the `gguf` package) into a Hugging Face directory:
-config.json, model.safetensors (bf16), generation_config.json and tokenizer files."""
+config.json, model.safetensors (bf16), generation_config.json and tokenizer files. It takes tens
+of seconds, once: each stage says so on stderr as it starts, beside tqdm's bars."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -81,6 +84,8 @@ def convert_gguf(gguf_path: str, out_dir: str, desc: str | None = None) -> str:
     from gguf.quants import dequantize
     from safetensors.torch import save_file
 
+    start = time.perf_counter()
+    tqdm.write(f"reading {os.path.basename(gguf_path)}...", file=sys.stderr)
     reader = gguf.GGUFReader(gguf_path)
     fields = {
         name: f.contents()
@@ -112,6 +117,7 @@ def convert_gguf(gguf_path: str, out_dir: str, desc: str | None = None) -> str:
     tensors = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
     vocab_size = embed.shape[0]
 
+    tqdm.write(f"writing the bf16 weights and the tokenizer into {out_dir}...", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=".converting-")
     try:
@@ -132,6 +138,9 @@ def convert_gguf(gguf_path: str, out_dir: str, desc: str | None = None) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    tqdm.write(
+        f"converted in {time.perf_counter() - start:.0f} s (once: later runs load it from there)", file=sys.stderr
+    )
     return out_dir
 
 

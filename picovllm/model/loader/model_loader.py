@@ -6,7 +6,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
+import time
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -17,6 +19,8 @@ from torch import nn
 from picovllm.config import ModelConfig
 from picovllm.model.layers.linear import default_weight_loader
 from picovllm.model.registry import MODEL_REGISTRY
+
+logger = logging.getLogger("picovllm")
 
 
 def _weight_files(path: str) -> list[str]:
@@ -143,6 +147,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
 def load_model(
     cfg: ModelConfig, path: str | None, dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0
 ) -> nn.Module:
+    start = time.perf_counter()
+    source = "random weights" if path is None else path
+    logger.info("loading %s (%s, %s) on %s", cfg.architecture, source, str(dtype).removeprefix("torch."), device)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -154,4 +161,6 @@ def load_model(
         load_weights(model, _dummy_tensors(cfg, seed, device), "dummy weights")
     else:
         load_weights(model, _checkpoint_tensors(path, device), repr(path))
+    size = sum(t.numel() * t.element_size() for t in model.parameters())
+    logger.info("weights loaded in %.1f s (%.2f GiB)", time.perf_counter() - start, size / (1 << 30))
     return model.eval()
