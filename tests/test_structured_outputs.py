@@ -160,13 +160,16 @@ def test_the_bitmask_is_each_rows_grammar_and_the_matchers_take_the_tokens(llm):
     rows = [_row(matcher(compiled)), _row(None), _row(matcher(compiled), text="abc-1")]
     rows += [_row(matcher(compiled), finished=True), done]
     filler = BitmaskFiller(engine.model_config.vocab_size, pin_memory=False)
-    mask = filler.fill(rows)
+    mask = filler.fill(rows).clone()  # (the filler's buffer serves every fill)
     own = xgrammar.allocate_token_bitmask(2, engine.model_config.vocab_size)
     rows[0].grammar.fill_next_token_bitmask(own, 0)
     rows[2].grammar.fill_next_token_bitmask(own, 1)
     assert mask[0].tolist() == own[0].tolist() and mask[2].tolist() == own[1].tolist()
     assert (mask[[1, 3, 4]] == -1).all() and (mask[[0, 2]] != -1).any()  # (all allowed: no grammar to follow)
     assert filler.start(rows).result().equal(mask) and filler.fill(rows[1:2]) is None
+    # a row that held a grammar's bits in the last fill allows every token once it has none
+    again = filler.fill([rows[1], rows[2]])
+    assert (again[0] == -1).all() and again[1].tolist() == own[1].tolist()
     filler.shutdown()
     # a token the grammar refuses ends its row; a row without a grammar, or finished, takes nothing
     digit = engine.tokenizer.convert_tokens_to_ids("5")

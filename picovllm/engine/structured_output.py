@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -166,15 +167,19 @@ class BitmaskFiller:
     """Fills the bitmask of a step's sampling rows: [rows, ceil(vocab_size / 32)] int32 bits of the
     tokens each row's grammar allows next (rows without a grammar, finished since they were
     launched, or whose grammar is complete: all), on the host (pinned for a GPU). xgrammar's batch
-    matcher fills all the rows in one call, in C++ without the GIL; start() makes that call from a
+    matcher fills all the rows in one call, in C++ without the GIL, on its own threads (half the
+    cores this process may use: the other half are the engine's); start() makes that call from a
     thread of the filler's, so that the engine processes a step's outputs while the next step's
-    bitmask fills. One thread fills: xgrammar's own threads on top compete with the engine's for
-    the host's cores and slowed the step (measured: benchmarks/README.md)."""
+    bitmask fills."""
 
     def __init__(self, vocab_size: int, pin_memory: bool):
         self.vocab_size, self.pin_memory = vocab_size, pin_memory  # (pinned: its copy to the GPU waits for nothing)
         self._batch = None  # (xgrammar's BatchGrammarMatcher, built on first use)
         self._pool: ThreadPoolExecutor | None = None
+        # One buffer serves every step: a step's bitmask is filled once the step before has been
+        # read, by which time that step's copy of the last bitmask to the device (queued before its
+        # sampling) is done. It grows to the largest batch.
+        self._mask = torch.empty(0, dtype=torch.int32)
 
     def fill(self, reqs: list[Request]) -> torch.Tensor | None:
         """The rows' bitmask, filled now; None when no row has a grammar to follow."""
@@ -214,11 +219,17 @@ class BitmaskFiller:
     def _fill(self, rows: list[tuple[int, object]], num_rows: int) -> torch.Tensor:
         xgr = _xgr()
         if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(1)
-        mask = torch.full(
-            xgr.get_bitmask_shape(num_rows, self.vocab_size), -1, dtype=torch.int32, pin_memory=self.pin_memory
-        )
-        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], mask, [i for i, _ in rows])
+            self._batch = xgr.BatchGrammarMatcher(max(1, len(os.sched_getaffinity(0)) // 2))
+        shape = xgr.get_bitmask_shape(num_rows, self.vocab_size)
+        if self._mask.shape[0] < num_rows:
+            self._mask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
+        mask = self._mask[:num_rows]
+        filled = [i for i, _ in rows]
+        if len(filled) < num_rows:  # (xgrammar writes its rows whole; the others allow every token)
+            free = torch.ones(num_rows, dtype=torch.bool)
+            free[filled] = False
+            mask[free] = -1
+        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], mask, filled)
         return mask
 
     def shutdown(self) -> None:
