@@ -1,6 +1,11 @@
 """The benchmark harness runs end to end on a tiny model and reports consistent figures."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 
@@ -139,3 +144,34 @@ def test_benchmarks_take_cpu_sized_defaults_on_a_cpu_and_say_so(capsys):
     args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--device", "cpu"])
     sizes(args, on_cpu=False)
     assert (args.num_prompts, args.concurrency) == (1000, 64) and capsys.readouterr().err == ""
+
+
+def test_ctrl_c_stops_bench_serve_in_one_line_and_leaves_no_process(tiny_qwen):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while `bench serve`'s
+    clients run: one line, exit 130, no traceback or leaked-resource warning, every process of
+    the group (engine, clients) gone."""
+    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "bench", "serve", "--model", tiny_qwen[0]]
+    cli += ["--device", "cpu", "--num-prompts", "400", "--concurrency", "4", "--input-len", "8", "--output-len", "64"]
+    proc = subprocess.Popen(cli, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        while not any("client processes" in line for line in lines):
+            lines.append(proc.stderr.readline())
+            assert lines[-1], lines  # (ended before its clients started)
+        time.sleep(5)  # (the clients start 3 s after the line, then stream)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 130, rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rest.strip() == "interrupted", rest
+    deadline = time.time() + 10
+    while time.time() < deadline:  # (the group's last processes may take a moment to be reaped)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("a process of bench serve's group outlived it")

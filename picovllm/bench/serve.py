@@ -15,13 +15,13 @@ import json
 import multiprocessing
 import os
 import random
+import signal
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from picovllm.bench.common import ms_stats, print_json, print_table, to_json
+from picovllm.bench.common import ms_stats, print_json, print_table, progress, to_json
 
 
 def _body(prompt: list[int], max_tokens: int, model: str) -> bytes:
@@ -98,6 +98,10 @@ async def _drive(
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         return await asyncio.gather(*tasks)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _client_process(args: tuple) -> tuple[list[dict], float]:
@@ -233,8 +237,10 @@ def run_serve_bench(
         )
         for i in range(procs)
     ]
-    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        done = list(pool.map(_client_process, shards))
+    progress(f"{num_prompts} requests from {procs} client processes, {concurrency} streams at a time")
+    # (Ctrl-C is this process's to handle: the clients ignore it, and leaving the block ends them)
+    with multiprocessing.get_context("spawn").Pool(procs, initializer=_ignore_sigint) as pool:
+        done = pool.map(_client_process, shards)
     results = [r for shard, _ in done for r in shard]
     elapsed = max(end for _, end in done) - start_at
     summary = _summary(results, elapsed, concurrency, request_rate, input_len, output_len, probe)

@@ -562,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"picovllm {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (Ctrl-C: what it started is stopped on the way out; serve says "stopped")
+        _say("interrupted")
+        return 130
 
 
 if __name__ == "__main__":
