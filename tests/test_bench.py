@@ -146,6 +146,20 @@ def test_benchmarks_take_cpu_sized_defaults_on_a_cpu_and_say_so(capsys):
     assert (args.num_prompts, args.concurrency) == (1000, 64) and capsys.readouterr().err == ""
 
 
+def test_bench_preemptions_cpu_sizes_do_preempt(tiny_qwen, capsys):
+    """bench preemption's CPU defaults preempt (its pool is a fraction of the requests' blocks,
+    whatever the model: a tiny one here), so that its comparison on a CPU is not void."""
+    from picovllm.bench.cli import sizes
+    from picovllm.bench.offload import run_preemption
+    from picovllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "preemption", "--device", "cpu"])
+    sizes(args)
+    kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32"}
+    result = run_preemption(kwargs, args.requests, args.input_len, args.output_len, args.pressure)
+    assert result["preempted"] and all(r["preemptions"] > 0 for r in result["results"])
+
+
 def test_ctrl_c_stops_bench_serve_in_one_line_and_leaves_no_process(tiny_qwen):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while `bench serve`'s
     clients run: one line, exit 130, no traceback or leaked-resource warning, every process of

@@ -121,8 +121,10 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         "recompute, then swap (to a host tier the benchmark sizes): throughput, latency percentiles.",
     )
     _sized(pmt, "--requests", 64, 8, type=positive_int)
-    _sized(pmt, "--input-len", 1024, 64, type=positive_int)
-    _sized(pmt, "--output-len", 256, 32, type=positive_int)
+    # (on the CPU, short prompts and long outputs: admission keeps room for the prompts, so only
+    # the outputs' growth preempts)
+    _sized(pmt, "--input-len", 1024, 16, type=positive_int)
+    _sized(pmt, "--output-len", 256, 64, type=positive_int)
     pmt.add_argument("--pressure", type=float, default=3.5, help="the requests' KV / the GPU pool")
     pmt.add_argument("--seed", type=non_negative_int, default=0)
     pmt.set_defaults(func=_preemption, parser=pmt)

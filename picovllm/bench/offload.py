@@ -92,7 +92,7 @@ class CopyTimer:
 
 def _block_bytes(kwargs: dict) -> tuple[int, int]:
     """(bytes of a KV block, the vocabulary) of the model, from a throwaway engine with a tiny pool."""
-    llm = _engine(kwargs, kv_cache_memory=64 << 20, enforce_eager=True)
+    llm = _engine(kwargs, kv_cache_memory=64 << 20, enforce_eager=True, max_model_len=256)  # (what 64 MiB holds)
     engine = llm.llm_engine
     sizes = engine.kv_block_bytes, min(engine.model_config.vocab_size, 30000)
     _release(llm)
