@@ -169,7 +169,7 @@ def test_ctrl_c_stops_bench_serve_in_one_line_and_leaves_no_process(tiny_qwen):
     proc = subprocess.Popen(cli, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         lines = []
-        while not any("client processes" in line for line in lines):
+        while not any("client process" in line for line in lines):
             lines.append(proc.stderr.readline())
             assert lines[-1], lines  # (ended before its clients started)
         time.sleep(5)  # (the clients start 3 s after the line, then stream)

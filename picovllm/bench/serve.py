@@ -237,7 +237,8 @@ def run_serve_bench(
         )
         for i in range(procs)
     ]
-    progress(f"{num_prompts} requests from {procs} client processes, {concurrency} streams at a time")
+    clients = f"{procs} client process" + ("es" if procs > 1 else "")
+    progress(f"{num_prompts} requests from {clients}, {concurrency} streams at a time")
     # (Ctrl-C is this process's to handle: the clients ignore it, and leaving the block ends them)
     with multiprocessing.get_context("spawn").Pool(procs, initializer=_ignore_sigint) as pool:
         done = pool.map(_client_process, shards)
