@@ -332,6 +332,8 @@ def test_sigterm_drains_the_router(pd):
         events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) == 150 + 1  # every token, then the end
         assert proc.wait(30) in (0, -signal.SIGTERM)  # (uvicorn ends by the signal it drained for)
+        ups = [line.split(" ", 3)[3] for line in proc.stderr.read().splitlines() if line.endswith(" is up")]
+        assert sorted(ups) == [f"the decode instance {decode} is up", f"the prefill instance {prefill} is up"]  # (once)
     finally:
         proc.kill()
 

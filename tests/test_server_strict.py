@@ -355,3 +355,40 @@ def test_each_completion_counts_once_in_the_success_counter_and_the_latencies():
     assert value("picovllm:e2e_request_latency_seconds_count") == 2
     assert value("picovllm:time_to_first_token_seconds_count") == 2
     assert value("picovllm:generation_tokens_total") == 4 and value("picovllm:prompt_tokens_total") == 3
+
+
+def test_access_log_leaves_out_the_paths_it_is_told(tiny_qwen):
+    """uvicorn's line for each request (on stdout, as uvicorn's), less those to the paths of
+    --disable-access-log-for-endpoints (vLLM's option: what a router or a probe polls), and none
+    at all with --disable-uvicorn-access-log."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    def access_lines(*flags: str) -> list[str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "serve", tiny_qwen[0], "--device", "cpu"]
+        proc = subprocess.Popen([*cli, "--port", str(port), *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+        try:
+            while True:
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+                    time.sleep(0.1)
+            assert httpx.get(url + "/health?probe=1").status_code == httpx.get(url + "/v1/models").status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        return [line.split('"')[1] for line in out.decode().splitlines() if '"' in line]
+
+    assert access_lines("--disable-access-log-for-endpoints", "/health,/metrics") == ["GET /v1/models HTTP/1.1"]
+    assert access_lines("--disable-uvicorn-access-log") == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -45,13 +46,26 @@ class _Stop(BaseException):
     """SIGTERM, raised again by uvicorn once it has drained (_serve_http)."""
 
 
-def _serve_http(app, sock, log_level: str, engine=None) -> bool:
+class _AccessLogFilter(logging.Filter):
+    """uvicorn's access lines less those of some paths (vLLM's --disable-access-log-for-endpoints)."""
+
+    def __init__(self, paths: set[str]):
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()  # (client, method, path, version, status)
+        return len(args) < 3 or str(args[2]).split("?", 1)[0] not in self.paths
+
+
+def _serve_http(app, sock, log_level: str, engine=None, access_log: bool = True, quiet_paths: str = "") -> bool:
     """uvicorn on sock (_listen), stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or
     draining on SIGTERM: it stops taking connections, and the requests in flight finish (within
     DRAIN_S); a prefill instance then also waits for its held KV to be pulled or its leases to
     end (server.py). With an engine, it also stops when the engine has died (its streams ended
     with the error): returns False then, True when told to stop. uvicorn raises the signal that
-    stopped it again once it has stopped: here that is the end, said in one line."""
+    stopped it again once it has stopped: here that is the end, said in one line. access_log:
+    uvicorn's line for each request, less those for quiet_paths (comma-separated)."""
     import signal
 
     import uvicorn
@@ -73,7 +87,11 @@ def _serve_http(app, sock, log_level: str, engine=None) -> bool:
     def stop(sig, frame):
         raise _Stop
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    config = uvicorn.Config(
+        app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=access_log
+    )
+    quiet = _AccessLogFilter({p.strip() for p in quiet_paths.split(",") if p.strip()})
+    logging.getLogger("uvicorn.access").addFilter(quiet)  # (after the Config, which sets uvicorn's loggers up)
     server = Server(config)
     before = signal.signal(signal.SIGTERM, stop)
     try:
@@ -82,6 +100,7 @@ def _serve_http(app, sock, log_level: str, engine=None) -> bool:
         _say("stopped")
     finally:
         signal.signal(signal.SIGTERM, before)
+        logging.getLogger("uvicorn.access").removeFilter(quiet)
         sock.close()
     return not server.engine_died
 
@@ -358,7 +377,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     with frozen_heap():
         try:
-            stopped = _serve_http(app, sock, args.log_level, engine)
+            stopped = _serve_http(
+                app,
+                sock,
+                args.log_level,
+                engine,
+                not args.disable_uvicorn_access_log,
+                args.disable_access_log_for_endpoints,
+            )
         finally:
             engine.shutdown()
     return 0 if stopped else 1  # (1: the engine died)
@@ -478,6 +504,14 @@ def build_parser() -> argparse.ArgumentParser:
     _log_level_option(serve, "what the server logs, and uvicorn (info)")
     serve.add_argument(
         "--disable-log-stats", action="store_true", help="no line of throughput and queues in the log every 10 s"
+    )
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line for each request")
+    serve.add_argument(
+        "--disable-access-log-for-endpoints",
+        default="",
+        metavar="PATHS",
+        help="no log line for requests to these paths, comma-separated (e.g. /health,/kv_transfer/info: "
+        "what a router polls)",
     )
     serve.add_argument(
         "--disable-frontend-multiprocessing",

@@ -141,9 +141,12 @@ def _mismatch(instance: _Instance, info: dict, compat: dict | None) -> str | Non
     return None
 
 
-async def _check(session: aiohttp.ClientSession, i: _Instance, secret: str, compat: dict) -> bool:
-    """Check one instance: up, or out with why (i.problem); compat["kv"] is what the instances'
-    KV is, the first one up's. Returns whether it answered."""
+async def _check(
+    session: aiohttp.ClientSession, i: _Instance, secret: str, compat: dict, announce: bool = True
+) -> bool:
+    """Check one instance: up (said in the log when it comes up, if announce), or out with why
+    (i.problem); compat["kv"] is what the instances' KV is, the first one up's. Returns whether
+    it answered."""
     try:
         info = await instance_info(session, i.url, secret)
     except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
@@ -154,7 +157,7 @@ async def _check(session: aiohttp.ClientSession, i: _Instance, secret: str, comp
         i.failed(problem, eject=True)
         return True
     compat.setdefault("kv", info.get("kv_compat"))
-    if not i.up:
+    if not i.up and announce:
         logger.info("the %s instance %s is up", i.role, i.url)
     i.problem, i.failures = None, 0
     return True
@@ -168,7 +171,7 @@ async def check_instances(prefill_urls: list[str], decode_urls: list[str], secre
     instances = [_Instance(u, "prefill") for u in prefill_urls] + [_Instance(u, "decode") for u in decode_urls]
     async with aiohttp.ClientSession() as session:
         for i in instances:
-            if await _check(session, i, secret, compat) and not i.up:
+            if await _check(session, i, secret, compat, announce=False) and not i.up:  # (the router says it)
                 problems.append(f"the {i.role} instance {i.url} {i.problem}")
     return problems
 
