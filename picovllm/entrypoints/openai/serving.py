@@ -370,14 +370,18 @@ def _lp_item(lp) -> dict:
     return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
 
 
-def completion_logprobs(c: CompletionOutput) -> dict:
-    """/v1/completions' logprobs of c's tokens."""
-    tokens, token_lps, tops = [], [], []
+def completion_logprobs(c: CompletionOutput, offset: int = 0) -> dict:
+    """/v1/completions' logprobs of c's tokens; text_offset: where each token's text starts in the
+    choice's text, counted from offset (the text before them: an echoed prompt, or what a stream
+    has sent of the choice), as vLLM counts it."""
+    tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(c.token_ids, c.logprobs or [], strict=False):
         tokens.append(entry[tid].decoded_token)
         token_lps.append(entry[tid].logprob)
         tops.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": []}
+        offsets.append(offset)
+        offset += len(entry[tid].decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(c: CompletionOutput, k: int) -> list[dict]:

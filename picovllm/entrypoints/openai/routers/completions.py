@@ -57,16 +57,14 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
         cached_tokens += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            text = c.text
-            if req.echo:
-                text = (out.prompt or state.tokenizer.decode(out.prompt_token_ids)) + text
+            echoed = (out.prompt or state.tokenizer.decode(out.prompt_token_ids)) if req.echo else ""
             choices.append(
                 {
                     "index": i * params.n + c.index,
-                    "text": text,
+                    "text": echoed + c.text,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "logprobs": completion_logprobs(c) if req.logprobs is not None else None,
+                    "logprobs": completion_logprobs(c, len(echoed)) if req.logprobs is not None else None,
                 }
             )
     return {
@@ -104,14 +102,15 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
 
     templates = EventTemplates(chunk)
     for i, stream in enumerate(streams):
-        tracker, done, started = state.metrics.track(), set(), set()
+        tracker, done, sent = state.metrics.track(), set(), {}  # (sent: characters of each choice so far)
         async for out in stream:
             tracker.update(out)
             for c in new_completions(out, done):
                 text = c.text
-                if req.echo and c.index not in started:
+                if req.echo and c.index not in sent:
                     text = (out.prompt or "") + text
-                started.add(c.index)
+                before = sent.get(c.index, 0)
+                sent[c.index] = before + len(text)
                 completion_tokens += len(c.token_ids)
                 index = i * n + c.index
                 if req.logprobs is None and c.finish_reason is None:
@@ -120,7 +119,7 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
                     yield chunk(
                         index,
                         text,
-                        completion_logprobs(c) if req.logprobs is not None else None,
+                        completion_logprobs(c, before + len(text) - len(c.text)) if req.logprobs is not None else None,
                         c.finish_reason,
                         c.stop_reason,
                     )
