@@ -106,11 +106,10 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
         async for out in stream:
             tracker.update(out)
             for c in new_completions(out, done):
-                text = c.text
-                if req.echo and c.index not in sent:
-                    text = (out.prompt or "") + text
-                before = sent.get(c.index, 0)
-                sent[c.index] = before + len(text)
+                echoed = (out.prompt or "") if req.echo and c.index not in sent else ""
+                text = echoed + c.text
+                before = sent.get(c.index, 0) + len(echoed)  # (where this chunk's tokens' text starts)
+                sent[c.index] = before + len(c.text)
                 completion_tokens += len(c.token_ids)
                 index = i * n + c.index
                 if req.logprobs is None and c.finish_reason is None:
@@ -119,7 +118,7 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
                     yield chunk(
                         index,
                         text,
-                        completion_logprobs(c, before + len(text) - len(c.text)) if req.logprobs is not None else None,
+                        completion_logprobs(c, before) if req.logprobs is not None else None,
                         c.finish_reason,
                         c.stop_reason,
                     )
