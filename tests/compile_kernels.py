@@ -50,6 +50,9 @@ def main(dt: str) -> None:
         *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, BLOCK_M=8,
                                    BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile))
           for one_tile in (False, True)],
+        *[(gemv._qkv_rope_store_kernel, dict(HALF=64, BLOCK_SIZE=16, HAS_BIAS=True, BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048,
+                                             ONE_TILE=one_tile))
+          for one_tile in (False, True)],
     ]
     for fn, constexprs in kernels:  # with programmatic dependent launch (the default on sm_90): its wait compiled in
         ptx = compile_sm90(fn, ptrs, {**constexprs, "USE_PDL": True}).asm["ptx"]

@@ -11,7 +11,12 @@ import torch
 triton = pytest.importorskip("triton")
 
 from picovllm.kernels.decode_attention import decode_attention_triton, num_splits  # noqa: E402
-from picovllm.kernels.gemv import fused_linear_ref, gemv_triton  # noqa: E402
+from picovllm.kernels.gemv import (  # noqa: E402
+    fused_linear_ref,
+    gemv_triton,
+    qkv_rope_store_ref,
+    qkv_rope_store_triton,
+)
 from picovllm.kernels.kv_store import rope_and_store_ref, rope_and_store_triton  # noqa: E402
 from picovllm.kernels.paged_attention import paged_attention_ref, plan_paged_attention  # noqa: E402
 from picovllm.kernels.prefill_attention import num_splits as prefill_splits  # noqa: E402
@@ -279,6 +284,38 @@ def test_gemv_with_fused_norm_bias_activation_residual(dtype, rows, fusion):
     _close(
         gemv_triton(x, w, **kwargs, config=dict(BLOCK_M=next_pow2(rows), BLOCK_N=16, BLOCK_K=256)), ref, dtype
     )  # K in one tile
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_qkv_gemv_with_rope_and_kv_store(dtype, rows, bias):
+    """The QKV projection with the norm, RoPE and the KV store fused: queries rotated, keys rotated
+    and stored, values stored as projected, a padding slot (-1) storing nothing; odd head counts and
+    a head dim whose pairs cross the programs' tiles; the tiles given here (K in four tiles), then
+    the defaults (K in one)."""
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, dim, k, blocks, bs = 5, 3, 24, 200, 4, 4
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype).to(DEV)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, k, generator=g) / k**0.5).to(dtype).to(DEV)
+    b = torch.randn(w.shape[0], generator=g).to(dtype).to(DEV) if bias else None
+    norm_w = (1 + torch.rand(k, generator=g)).to(dtype).to(DEV)
+    angles = torch.rand(rows, dim // 2, generator=g) * 50
+    cos, sin = angles.cos().to(dtype).to(DEV), angles.sin().to(dtype).to(DEV)
+    slots = torch.randperm(blocks * bs, generator=g)[:rows]
+    slots[rows // 2] = -1  # a padding token
+    slots = slots.to(DEV)
+    for config in (dict(BLOCK_M=next_pow2(rows), BLOCK_N=16, BLOCK_K=64), None):
+        _, layers = allocate_kv_pool(2, blocks, bs, kv_heads, dim, dtype, DEV)
+        (k_ref, v_ref), (k_out, v_out) = layers
+        args = (b, norm_w, 1e-6, cos, sin)
+        q_ref = qkv_rope_store_ref(x, w, *args, k_ref, v_ref, slots, heads, kv_heads)
+        q_out = qkv_rope_store_triton(x, w, *args, k_out, v_out, slots, heads, kv_heads, config=config)
+        assert q_out.shape == (rows, heads, dim)
+        _close(q_out, q_ref, dtype)
+        _close(k_out, k_ref, dtype)
+        _close(v_out, v_ref, dtype)
+        assert (k_ref.abs().sum((2, 3)) > 0).sum().item() == rows - 1  # (the padding row stored nothing)
 
 
 def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from picovllm.kernels.kv_store import rope_and_store_ref
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
@@ -49,15 +50,16 @@ def _normed(xv, rstd, norm_weight, k, kmask, dt):
 
 
 @triton.jit
-def _weight_tiles(weight, n, k, nmask, K, s_wn, s_wk, up_offset, SILU_MUL: tl.constexpr):
-    """Weight rows n over columns k (past K: masked, nothing read), and with SILU_MUL the matching
-    up rows (n + up_offset) of a fused gate_up (without it, wu is w: unused)."""
+def _weight_tiles(weight, rows, rows2, k, nmask, K, s_wn, s_wk, TWO: tl.constexpr):
+    """Weight rows `rows` over columns k (past K: masked, nothing read), and with TWO rows `rows2`
+    too (the up rows of a fused gate_up, the second halves of RoPE's pairs; without it, the second
+    tile is the first: unused)."""
     wmask = nmask[:, None] & (k[None, :] < K)
-    w = tl.load(weight + n[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
-    wu = w
-    if SILU_MUL:
-        wu = tl.load(weight + (n[:, None] + up_offset) * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
-    return w, wu
+    w = tl.load(weight + rows[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+    w2 = w
+    if TWO:
+        w2 = tl.load(weight + rows2[:, None] * s_wn + k[None, :] * s_wk, mask=wmask, other=0.0)
+    return w, w2
 
 
 @triton.jit
@@ -67,24 +69,18 @@ def _rows_times_tile(xv, w):
 
 
 @triton.jit
-def _gemv_kernel(
-    x, weight, bias, norm_weight, residual, out,
-    M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
-    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    dt = out.dtype.element_ty
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    nmask = n < N
-    mmask = m < M
+def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_xk, s_wn, s_wk, eps, dt,
+              HAS_NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr):
+    """rmsnorm(x[m]) (or x[m]) times weight rows `rows`, and with TWO rows `rows2`: two [BLOCK_M,
+    BLOCK_N] fp32 tiles. The kernel's wait for the previous one (PDL) is in here, after the first
+    weight loads."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if ONE_TILE:  # K <= BLOCK_K: weight loads are issued first, their latency hides the norm's
         k = tl.arange(0, BLOCK_K)
         kmask = k < K
-        w, wu = _weight_tiles(weight, n, k, nmask, K, s_wn, s_wk, up_offset, SILU_MUL)
+        w, w2 = _weight_tiles(weight, rows, rows2, k, nmask, K, s_wn, s_wk, TWO)
         pdl_wait(USE_PDL)  # (with PDL the weight loads also overlap the previous kernel)
         xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
                      other=0.0).to(tl.float32)
@@ -92,12 +88,12 @@ def _gemv_kernel(
             rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / K + eps)
             xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
         acc += _rows_times_tile(xv, w)
-        if SILU_MUL:
-            acc_up += _rows_times_tile(xv, wu)
+        if TWO:
+            acc2 += _rows_times_tile(xv, w2)
     else:
         # the first weight tile's loads before the wait (ONE_TILE issues all of them there), each
         # next tile's after the current one's products
-        w, wu = _weight_tiles(weight, n, tl.arange(0, BLOCK_K), nmask, K, s_wn, s_wk, up_offset, SILU_MUL)
+        w, w2 = _weight_tiles(weight, rows, rows2, tl.arange(0, BLOCK_K), nmask, K, s_wn, s_wk, TWO)
         pdl_wait(USE_PDL)
         if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
@@ -115,9 +111,27 @@ def _gemv_kernel(
             if HAS_NORM:
                 xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
             acc += _rows_times_tile(xv, w)
-            if SILU_MUL:
-                acc_up += _rows_times_tile(xv, wu)
-            w, wu = _weight_tiles(weight, n, k + BLOCK_K, nmask, K, s_wn, s_wk, up_offset, SILU_MUL)  # the next
+            if TWO:
+                acc2 += _rows_times_tile(xv, w2)
+            w, w2 = _weight_tiles(weight, rows, rows2, k + BLOCK_K, nmask, K, s_wn, s_wk, TWO)  # the next
+    return acc, acc2
+
+
+@triton.jit
+def _gemv_kernel(
+    x, weight, bias, norm_weight, residual, out,
+    M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
+    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    dt = out.dtype.element_ty
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    nmask = n < N
+    mmask = m < M
+    acc, acc_up = _products(x, weight, norm_weight, m, mmask, n, n + up_offset, nmask, K, s_xm, s_xk, s_wn, s_wk,
+                            eps, dt, HAS_NORM, SILU_MUL, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
@@ -167,3 +181,92 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], **cfg, **pdl(x),
     )
     return out
+
+
+def qkv_rope_store_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """What qkv_rope_store_triton computes, op by op: the fused QKV projection of the normed input,
+    then RoPE on the queries and keys, the keys and values stored (kernels/kv_store.py); returns the
+    rotated queries, [rows, num_heads, head_dim]."""
+    rows, head_dim = x.shape[0], cos.shape[-1] * 2
+    qkv = fused_linear_ref(x, weight, bias, norm_weight, eps)
+    q, k, v = qkv.view(rows, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], 1)
+    return rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+@triton.jit
+def _qkv_rope_store_kernel(
+    x, weight, bias, norm_weight, cos, sin, slot_mapping, q_out, k_cache, v_cache,
+    M, K, s_xm, s_xk, s_wn, s_wk, s_cm, s_qm, s_qh,
+    c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, eps, num_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Each program computes BLOCK_N of RoPE's pairs, the output rows (d, d + HALF) of one head, over
+    the query, key and value heads end to end: the pair is rotated in registers (values are not),
+    queries go to q_out, keys and values to their cache slots."""
+    dt = q_out.dtype.element_ty
+    j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    head = j // HALF
+    i = j % HALF
+    first = head * (2 * HALF) + i  # the pair's weight rows: first and first + HALF
+    nmask = head < num_heads + 2 * num_kv_heads
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    acc1, acc2 = _products(x, weight, norm_weight, m, mmask, first, first + HALF, nmask, K, s_xm, s_xk, s_wn, s_wk,
+                           eps, dt, True, True, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
+    if HAS_BIAS:
+        acc1 += tl.load(bias + first, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(bias + first + HALF, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y1 = acc1.to(dt).to(tl.float32)  # (the projection's output, rounded as the reference's)
+    y2 = acc2.to(dt).to(tl.float32)
+    cmask = mmask[:, None] & nmask[None, :]
+    c = tl.load(cos + m[:, None] * s_cm + i[None, :], mask=cmask, other=0.0).to(tl.float32)
+    s = tl.load(sin + m[:, None] * s_cm + i[None, :], mask=cmask, other=0.0).to(tl.float32)
+    rotated = (head < num_heads + num_kv_heads)[None, :]  # (values are not rotated)
+    o1 = tl.where(rotated, (y1 * c).to(dt).to(tl.float32) - (y2 * s).to(dt).to(tl.float32), y1).to(dt)
+    o2 = tl.where(rotated, (y2 * c).to(dt).to(tl.float32) + (y1 * s).to(dt).to(tl.float32), y2).to(dt)
+    qmask = cmask & (head < num_heads)[None, :]
+    qdst = q_out + m[:, None] * s_qm + head[None, :] * s_qh + i[None, :]
+    tl.store(qdst, o1, mask=qmask)
+    tl.store(qdst + HALF, o2, mask=qmask)
+    slot = tl.load(slot_mapping + m, mask=mmask, other=-1).to(tl.int64)
+    blk = (slot // BLOCK_SIZE)[:, None]  # (a constexpr: no 64-bit division)
+    off = (slot % BLOCK_SIZE)[:, None]
+    stored = cmask & (slot >= 0)[:, None]
+    kh = (head - num_heads)[None, :]
+    kmask = stored & (kh >= 0) & (kh < num_kv_heads)
+    kdst = k_cache + blk * c_kb + off * c_ks + kh * c_kh + i[None, :] * c_kd
+    tl.store(kdst, o1, mask=kmask)
+    tl.store(kdst + HALF * c_kd, o2, mask=kmask)
+    vh = kh - num_kv_heads
+    vmask = stored & (vh >= 0)
+    vdst = v_cache + blk * c_vb + off * c_vs + vh * c_vh + i[None, :] * c_vd
+    tl.store(vdst, o1, mask=vmask)
+    tl.store(vdst + HALF * c_vd, o2, mask=vmask)
+
+
+def qkv_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
+                          eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          config: dict | None = None) -> torch.Tensor:
+    """The QKV projection of rmsnorm(x) with RoPE and the KV store in its epilogue (a layer's first
+    three ops at decode batch 1 in one kernel); returns the rotated queries, [rows, num_heads,
+    head_dim]. weight: [(num_heads + 2 * num_kv_heads) * head_dim, K], rows as QKVParallelLinear
+    holds them."""
+    rows, k = x.shape
+    assert rows <= MAX_ROWS, f"gemv serves at most {MAX_ROWS} rows, got {rows}"
+    half = cos.shape[-1]
+    pairs = weight.shape[0] // 2
+    q_out = torch.empty((rows, num_heads, 2 * half), dtype=x.dtype, device=x.device)
+    cfg = {"num_warps": 4, **(config or gemv_config(rows, pairs, k, norm=True, silu_mul=True))}
+    _qkv_rope_store_kernel[(triton.cdiv(pairs, cfg["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else weight, norm_weight, cos, sin, slot_mapping, q_out, k_cache, v_cache,
+        rows, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), cos.stride(0),
+        q_out.stride(0), q_out.stride(1), *k_cache.stride(), *v_cache.stride(), eps, num_heads, num_kv_heads,
+        HALF=half, BLOCK_SIZE=k_cache.shape[1], HAS_BIAS=bias is not None, ONE_TILE=k <= cfg["BLOCK_K"], **cfg,
+        **pdl(x),
+    )
+    return q_out

@@ -5,7 +5,8 @@ the embedding or not. forward() takes tensors only and returns the residual stre
 last layer; compute_logits() applies the final norm and the LM head to the positions that are
 sampled. Each norm is handed to the projection that consumes it, and each sublayer adds its
 output to the residual stream itself, so that at decode batch 1 on the GPU norm, projection,
-activation and residual add are one kernel (model/layers/linear.py).
+activation and residual add are one kernel (model/layers/linear.py), and so are norm, QKV
+projection, RoPE and the KV store (kernels/gemv.py).
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ import torch
 from torch import nn
 
 from picovllm.config import ModelConfig
+from picovllm.kernels.gemv import qkv_rope_store_triton
 from picovllm.model.layers.attention import AttentionMetadata, PagedAttention
 from picovllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from picovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from picovllm.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    one_row_on_gpu,
+)
 from picovllm.model.layers.norm import RMSNorm
 from picovllm.model.layers.rotary import RotaryEmbedding
 
@@ -34,6 +41,12 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm, cos_sin: tuple, meta: AttentionMetadata) -> torch.Tensor:
         """hidden + attention(norm(hidden))"""
+        if one_row_on_gpu(hidden):  # the projection, RoPE and the KV store in one kernel
+            q = qkv_rope_store_triton(
+                hidden, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps, *cos_sin,
+                self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+            )  # fmt: skip
+            return self.o_proj(self.attn.attend(q, meta).flatten(1), residual=hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden, norm).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: rotate this step's queries and keys, store K/V, then attend."""
+"""Attention over the paged KV cache: rotate this step's queries and keys, store K/V, then attend
+(at decode batch 1 on the GPU the QKV projection does the first two: model/qwen2.py)."""
 
 from __future__ import annotations
 
@@ -103,7 +104,10 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q, k, v: [num_tokens, heads, head_dim] before RoPE; cos_sin: each token's rotation."""
-        q = rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping), meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim], rotated, this step's keys and values in the cache."""
         if not use_triton(q):
             return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, self.scale)
         if meta.max_query_len == 1:

@@ -22,6 +22,12 @@ from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
 
 
+def one_row_on_gpu(x: torch.Tensor) -> bool:
+    """Whether x is one row on the Triton path: decode at batch 1, where the layers run as GEMVs with
+    their neighbours fused in (kernels/gemv.py)."""
+    return use_triton(x) and x.dim() == 2 and x.shape[0] == 1
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -35,7 +41,7 @@ def linear(
     when silu_mul is set. residual may be updated in place and returned (callers pass the residual
     stream, whose old value they do not read again): the GEMM then adds into it, where a new output
     first took a copy of it (a device-to-device copy per call, two per layer)."""
-    if use_triton(x) and x.dim() == 2 and x.shape[0] == 1:
+    if one_row_on_gpu(x):
         return gemv_triton(
             x,
             weight,
