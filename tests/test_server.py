@@ -414,6 +414,24 @@ def test_echo_token_prompts_and_chat_tokenize(server, client):
         .text
     )
     assert by_ids == plain
+    ids_echoed = {  # a token-id prompt echoes its text, streamed or not
+        stream: "".join(
+            c.choices[0].text
+            for c in (lambda r: r if stream else [r])(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=tok.encode("Hello world"),
+                    max_tokens=4,
+                    temperature=0,
+                    echo=True,
+                    stream=stream,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+        )
+        for stream in (False, True)
+    }
+    assert ids_echoed == {False: "Hello world" + plain, True: "Hello world" + plain}
     msgs = [{"role": "user", "content": "Hi"}]
     toks = httpx.post(url + "/tokenize", json={"messages": msgs}).json()["tokens"]
     assert toks == tok.encode(

@@ -34,6 +34,11 @@ def _prompt_list(prompt) -> list:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
+def _echoed(out, state: ServerState) -> str:
+    """The prompt as echo returns it: its text, or a token-id prompt's tokens decoded."""
+    return out.prompt or state.tokenizer.decode(out.prompt_token_ids)
+
+
 @router.post("/completions")
 async def completions(req: CompletionRequest, state: State, raw_request: Request):
     state.check_model(req.model)
@@ -57,7 +62,7 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
         cached_tokens += out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            echoed = (out.prompt or state.tokenizer.decode(out.prompt_token_ids)) if req.echo else ""
+            echoed = _echoed(out, state) if req.echo else ""
             choices.append(
                 {
                     "index": i * params.n + c.index,
@@ -106,7 +111,7 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
         async for out in stream:
             tracker.update(out)
             for c in new_completions(out, done):
-                echoed = (out.prompt or "") if req.echo and c.index not in sent else ""
+                echoed = _echoed(out, state) if req.echo and c.index not in sent else ""
                 text = echoed + c.text
                 before = sent.get(c.index, 0) + len(echoed)  # (where this chunk's tokens' text starts)
                 sent[c.index] = before + len(c.text)
