@@ -63,13 +63,14 @@ def _decode_partition_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_wait(USE_PDL)
+    # the step's metadata before the wait: no kernel writes it (the cache and q: after)
     row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIN_PART, MIXED)
     if not single:
         return
     start = split * part
     if start >= ctx:
         return
+    pdl_wait(USE_PDL)
     end = tl.minimum(start + part, ctx)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -102,10 +103,10 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc
                          MIN_PART: tl.constexpr, MIXED: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    pdl_wait(USE_PDL)
     row, single, ctx, part = _sequence(query_start_loc, context_lens, b, SPLITS, BLOCK_N, MIN_PART, MIXED)
     if not single:
         return
+    pdl_wait(USE_PDL)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, BLOCK_D)
     smask = s * part < ctx

@@ -215,16 +215,22 @@ def _qkv_rope_store_kernel(
     nmask = head < num_heads + 2 * num_kv_heads
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
-    acc1, acc2 = _products(x, weight, norm_weight, m, mmask, first, first + HALF, nmask, K, s_xm, s_xk, s_wn, s_wk,
-                           eps, dt, True, True, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
-    if HAS_BIAS:
-        acc1 += tl.load(bias + first, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        acc2 += tl.load(bias + first + HALF, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y1 = acc1.to(dt).to(tl.float32)  # (the projection's output, rounded as the reference's)
-    y2 = acc2.to(dt).to(tl.float32)
+    # the epilogue's inputs before the products (and their wait): weights and the step's metadata
     cmask = mmask[:, None] & nmask[None, :]
     c = tl.load(cos + m[:, None] * s_cm + i[None, :], mask=cmask, other=0.0).to(tl.float32)
     s = tl.load(sin + m[:, None] * s_cm + i[None, :], mask=cmask, other=0.0).to(tl.float32)
+    slot = tl.load(slot_mapping + m, mask=mmask, other=-1).to(tl.int64)
+    b1 = tl.zeros([BLOCK_N], tl.float32)
+    b2 = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        b1 = tl.load(bias + first, mask=nmask, other=0.0).to(tl.float32)
+        b2 = tl.load(bias + first + HALF, mask=nmask, other=0.0).to(tl.float32)
+    acc1, acc2 = _products(x, weight, norm_weight, m, mmask, first, first + HALF, nmask, K, s_xm, s_xk, s_wn, s_wk,
+                           eps, dt, True, True, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
+    acc1 += b1[None, :]
+    acc2 += b2[None, :]
+    y1 = acc1.to(dt).to(tl.float32)  # (the projection's output, rounded as the reference's)
+    y2 = acc2.to(dt).to(tl.float32)
     rotated = (head < num_heads + num_kv_heads)[None, :]  # (values are not rotated)
     o1 = tl.where(rotated, (y1 * c).to(dt).to(tl.float32) - (y2 * s).to(dt).to(tl.float32), y1).to(dt)
     o2 = tl.where(rotated, (y2 * c).to(dt).to(tl.float32) + (y1 * s).to(dt).to(tl.float32), y2).to(dt)
@@ -232,7 +238,6 @@ def _qkv_rope_store_kernel(
     qdst = q_out + m[:, None] * s_qm + head[None, :] * s_qh + i[None, :]
     tl.store(qdst, o1, mask=qmask)
     tl.store(qdst + HALF, o2, mask=qmask)
-    slot = tl.load(slot_mapping + m, mask=mmask, other=-1).to(tl.int64)
     blk = (slot // BLOCK_SIZE)[:, None]  # (a constexpr: no 64-bit division)
     off = (slot % BLOCK_SIZE)[:, None]
     stored = cmask & (slot >= 0)[:, None]

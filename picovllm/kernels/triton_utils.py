@@ -57,8 +57,10 @@ def pdl(x: torch.Tensor) -> dict:
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
     """Wait for the previous kernel to finish (its writes visible), then let the next kernel
-    launch; nothing without PDL. Before it a kernel reads only what no kernel writes (weights)
-    and writes nothing."""
+    launch; nothing without PDL. Before it a kernel writes nothing and reads only what the kernel
+    before it does not write (weights; the step's metadata, which the kernels launched before that
+    one, or the copies before them, wrote: a kernel starts once the one before it has passed its
+    own wait, that is once every earlier kernel has finished)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
