@@ -4,6 +4,9 @@ the GEMV also does the work of the norm / SiLU*mul / add kernels it replaces in 
 this does not count.
 
 Usage: PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py [ROWS ...]  (default: 1)
+       PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py projections
+         one row at the default tiles: each projection 28 times in a row (each its own weights,
+         graphed under PDL), its time per call and bandwidth; the LM head alone; a copy's bandwidth
        PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py chain
          one row, as the model runs it: a batch-1 step's 113 GEMVs (28 layers x qkv with norm and bias,
          o with residual, gate_up with norm and SiLU*mul, down with residual; the LM head with norm),
@@ -158,8 +161,28 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
         print(f"all best together: {timed(best):.1f} us (default {timed({}):.1f}): {best}", flush=True)
 
 
+def projections() -> None:
+    dev, dt, eps = "cuda", torch.bfloat16, 1e-6
+    norm_w, h = torch.ones(1536, device=dev, dtype=dt), torch.randn(1, 1536, device=dev, dtype=dt)
+    inputs = {"qkv": h, "o": torch.randn(1, 1536, device=dev, dtype=dt), "gate_up": h,
+              "down": torch.randn(1, 8960, device=dev, dtype=dt), "lm_head": h}  # fmt: skip
+    kwargs = {"qkv": dict(bias=torch.randn(2048, device=dev, dtype=dt), norm_weight=norm_w, eps=eps),
+              "o": dict(residual=h), "gate_up": dict(norm_weight=norm_w, eps=eps, silu_mul=True),
+              "down": dict(residual=h), "lm_head": dict(norm_weight=norm_w, eps=eps)}  # fmt: skip
+    for name, shape in SHAPES.items():
+        count = 1 if name == "lm_head" else CHAIN_LAYERS
+        weights = [torch.randn(*shape, device=dev, dtype=dt) * 0.02 for _ in range(count)]
+        t = bench(lambda: [gemv_triton(inputs[name], w, **kwargs[name]) for w in weights], 10, 5) / count
+        print(f"{name:8s} x{count}: {t * 1e6:7.2f} us each, {shape[0] * shape[1] * 2 / t / 1e9:6.0f} GB/s", flush=True)
+    src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    print(f"copy: {2 * src.numel() / bench(lambda: dst.copy_(src), 20, 5) / 1e9:.0f} GB/s")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["chain"]:
         chain()
+    elif sys.argv[1:] == ["projections"]:
+        projections()
     else:
         main([int(r) for r in sys.argv[1:]] or [1])
