@@ -138,6 +138,7 @@ KVRole = Literal["prefill", "decode", "both"]  # disaggregated prefill (engine/k
 KVTransferMode = Literal["async", "sync"]
 KVTransferBackend = Literal["auto", "nixl"]
 PreemptionMode = Literal["recompute", "swap"]
+Quantization = Literal["fp8"]
 LoadFormat = Literal["auto", "dummy"]
 
 
@@ -204,6 +205,11 @@ class EngineConfig:
     )
     dtype: str = option("auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's)", check=_dtype_problem)
     device: str = option("auto", "auto, cpu or cuda (auto: cuda when available)", check=_device_problem)
+    quantization: Quantization | None = option(
+        None,
+        "fp8: the linear layers' weights quantized at load to float8 e4m3 with a scale per output channel "
+        "(embeddings, norms and the LM head stay in --dtype); a GPU needs compute capability 8.9 or later",
+    )
     seed: int = option(0)  # (the command line's is the sampling option --seed)
     block_size: int = option(16, "tokens per KV-cache block", bounds=Bounds(1))
     max_num_seqs: int = option(256, "most requests in a batch", bounds=Bounds(1))

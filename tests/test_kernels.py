@@ -318,6 +318,54 @@ def test_qkv_gemv_with_rope_and_kv_store(dtype, rows, bias):
         assert (k_ref.abs().sum((2, 3)) > 0).sum().item() == rows - 1  # (the padding row stored nothing)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fusion", ["plain", "norm+bias", "residual", "norm+silu_mul", "qkv+rope"])
+def test_gemv_reads_fp8_weights_and_scales_its_rows(dtype, fusion):
+    """An FP8 weight (model/layers/fp8.py) at one row: the GEMV reads the e4m3 bytes and scales
+    each row's sum, against the reference that dequantizes first; rows of very different
+    magnitudes, so that a scale applied to the wrong row shows."""
+    from picovllm.model.layers.fp8 import FP8, quantize_fp8
+
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, k = 3, 1, 16, 200
+    n = (heads + 2 * kv_heads) * dim if fusion == "qkv+rope" else 2 * 75 if fusion == "norm+silu_mul" else 75
+    x = torch.randn(1, k, generator=g).to(dtype).to(DEV)
+    w = torch.randn(n, k, generator=g) / k**0.5 * torch.logspace(-2, 1, n)[torch.randperm(n, generator=g), None]
+    wq, scale = quantize_fp8(w.to(dtype).to(DEV))
+    assert wq.dtype == FP8
+    kwargs = dict(weight_scale=scale)
+    if "norm" in fusion or fusion == "qkv+rope":
+        kwargs.update(norm_weight=(1 + torch.rand(k, generator=g)).to(dtype).to(DEV), eps=1e-6)
+    if "bias" in fusion or fusion == "qkv+rope":
+        kwargs["bias"] = torch.randn(n, generator=g).to(dtype).to(DEV)
+    if fusion == "residual":
+        kwargs["residual"] = torch.randn(1, n, generator=g).to(dtype).to(DEV)
+    if fusion == "norm+silu_mul":
+        kwargs["silu_mul"] = True
+
+    def close(a, b):  # (the reference rounds the dequantized weight to dtype, the GEMV does not: a
+        # tolerance relative to the outputs' size)
+        torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype] * b.abs().max().item(), rtol=TOL[dtype])
+
+    if fusion != "qkv+rope":
+        close(gemv_triton(x, wq, **kwargs), fused_linear_ref(x, wq, **kwargs))
+        return
+    angles = torch.rand(1, dim // 2, generator=g) * 50
+    rope = (
+        angles.cos().to(dtype).to(DEV),
+        angles.sin().to(dtype).to(DEV),
+        *allocate_kv_pool(2, 2, 4, 1, dim, dtype, DEV)[1],
+    )
+    slots = torch.tensor([5]).to(DEV)
+    (k_ref, v_ref), (k_out, v_out) = rope[2:]
+    args = (kwargs["bias"], kwargs["norm_weight"], 1e-6, *rope[:2])
+    q_ref = qkv_rope_store_ref(x, wq, *args, k_ref, v_ref, slots, heads, kv_heads, weight_scale=scale)
+    q_out = qkv_rope_store_triton(x, wq, *args, k_out, v_out, slots, heads, kv_heads, weight_scale=scale)
+    close(q_out, q_ref)
+    close(k_out, k_ref)
+    close(v_out, v_ref)
+
+
 def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch):
     """The whole engine on the Triton path, on CPU tensors in Triton's interpreter: chunked
     prompts mixed with decodes (a 32-token budget), so mixed steps send single-query sequences

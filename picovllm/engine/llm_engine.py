@@ -71,7 +71,9 @@ class LLMEngine:
             config.preemption_mode,
         )
         # what this instance's KV is (disaggregated serving's peers must agree)
-        self.kv_compat = kv_compat(self.executor.weights_fingerprint, self.dtype, self.model_config, config.block_size)
+        self.kv_compat = kv_compat(
+            self.executor.weights_fingerprint, self.dtype, self.model_config, config.block_size, config.quantization
+        )
         self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
         if config.kv_role != "both":
             self.kv_handoff = KVHandoff(

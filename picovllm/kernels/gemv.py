@@ -24,15 +24,19 @@ from picovllm.kernels.kv_store import rope_and_store_ref
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
+from picovllm.model.layers.fp8 import dequantize_fp8
 
 MAX_ROWS = 16  # rows in one program (registers); the model uses one
 
 
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                     residual: torch.Tensor | None = None, silu_mul: bool = False,
+                     weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What gemv_triton computes, op by op. weight: [N, K], or [2I, K] for silu_mul (gate rows,
-    then up rows)."""
+    then up rows); with weight_scale, an FP8 weight and its scale per row (model/layers/fp8.py)."""
+    if weight_scale is not None:
+        weight = dequantize_fp8(weight, weight_scale, x.dtype)
     if norm_weight is not None:
         x = rms_norm_ref(x, norm_weight, eps)
     y = F.linear(x, weight, bias)
@@ -118,20 +122,35 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
 
 
 @triton.jit
+def _row_scales(weight_scale, rows, rows2, nmask, HAS_SCALE: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An FP8 weight's scales of rows `rows` (and with TWO of `rows2`); ones without HAS_SCALE."""
+    scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    scale2 = tl.full([BLOCK_N], 1.0, tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(weight_scale + rows, mask=nmask, other=1.0)
+        if TWO:
+            scale2 = tl.load(weight_scale + rows2, mask=nmask, other=1.0)
+    return scale, scale2
+
+
+@triton.jit
 def _gemv_kernel(
-    x, weight, bias, norm_weight, residual, out,
+    x, weight, weight_scale, bias, norm_weight, residual, out,
     M, N, K, s_xm, s_xk, s_wn, s_wk, s_rm, s_om, up_offset, eps,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     dt = out.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     nmask = n < N
     mmask = m < M
+    scale, scale_up = _row_scales(weight_scale, n, n + up_offset, nmask, HAS_SCALE, SILU_MUL, BLOCK_N)
     acc, acc_up = _products(x, weight, norm_weight, m, mmask, n, n + up_offset, nmask, K, s_xm, s_xk, s_wn, s_wk,
                             eps, dt, HAS_NORM, SILU_MUL, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
+    acc *= scale[None, :]
+    acc_up *= scale_up[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
@@ -165,7 +184,7 @@ def gemv_config(rows: int, n: int, k: int, norm: bool = False, silu_mul: bool = 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False,
-                config: dict | None = None) -> torch.Tensor:
+                weight_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     rows, k = x.shape
     assert rows <= MAX_ROWS, f"gemv serves at most {MAX_ROWS} rows, got {rows}"
     assert not (silu_mul and bias is not None), "a fused gate_up has no bias"
@@ -174,33 +193,34 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     cfg = {"num_warps": 4, **(config or gemv_config(rows, n, k, norm_weight is not None, silu_mul))}
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
-        res, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        res.stride(0), out.stride(0), n, eps,
+        x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x,
+        norm_weight if norm_weight is not None else x, res, out, rows, n, k, x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1), res.stride(0), out.stride(0), n, eps,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, ONE_TILE=k <= cfg["BLOCK_K"], **cfg, **pdl(x),
+        SILU_MUL=silu_mul, HAS_SCALE=weight_scale is not None, ONE_TILE=k <= cfg["BLOCK_K"], **cfg, **pdl(x),
     )
     return out
 
 
 def qkv_rope_store_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What qkv_rope_store_triton computes, op by op: the fused QKV projection of the normed input,
     then RoPE on the queries and keys, the keys and values stored (kernels/kv_store.py); returns the
     rotated queries, [rows, num_heads, head_dim]."""
     rows, head_dim = x.shape[0], cos.shape[-1] * 2
-    qkv = fused_linear_ref(x, weight, bias, norm_weight, eps)
+    qkv = fused_linear_ref(x, weight, bias, norm_weight, eps, weight_scale=weight_scale)
     q, k, v = qkv.view(rows, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], 1)
     return rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 @triton.jit
 def _qkv_rope_store_kernel(
-    x, weight, bias, norm_weight, cos, sin, slot_mapping, q_out, k_cache, v_cache,
+    x, weight, weight_scale, bias, norm_weight, cos, sin, slot_mapping, q_out, k_cache, v_cache,
     M, K, s_xm, s_xk, s_wn, s_wk, s_cm, s_qm, s_qh,
     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, eps, num_heads, num_kv_heads,
-    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -225,10 +245,11 @@ def _qkv_rope_store_kernel(
     if HAS_BIAS:
         b1 = tl.load(bias + first, mask=nmask, other=0.0).to(tl.float32)
         b2 = tl.load(bias + first + HALF, mask=nmask, other=0.0).to(tl.float32)
+    scale1, scale2 = _row_scales(weight_scale, first, first + HALF, nmask, HAS_SCALE, True, BLOCK_N)
     acc1, acc2 = _products(x, weight, norm_weight, m, mmask, first, first + HALF, nmask, K, s_xm, s_xk, s_wn, s_wk,
                            eps, dt, True, True, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
-    acc1 += b1[None, :]
-    acc2 += b2[None, :]
+    acc1 = acc1 * scale1[None, :] + b1[None, :]
+    acc2 = acc2 * scale2[None, :] + b2[None, :]
     y1 = acc1.to(dt).to(tl.float32)  # (the projection's output, rounded as the reference's)
     y2 = acc2.to(dt).to(tl.float32)
     rotated = (head < num_heads + num_kv_heads)[None, :]  # (values are not rotated)
@@ -256,7 +277,7 @@ def _qkv_rope_store_kernel(
 def qkv_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
                           eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          config: dict | None = None) -> torch.Tensor:
+                          weight_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """The QKV projection of rmsnorm(x) with RoPE and the KV store in its epilogue (a layer's first
     three ops at decode batch 1 in one kernel); returns the rotated queries, [rows, num_heads,
     head_dim]. weight: [(num_heads + 2 * num_kv_heads) * head_dim, K], rows as QKVParallelLinear
@@ -268,10 +289,11 @@ def qkv_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     q_out = torch.empty((rows, num_heads, 2 * half), dtype=x.dtype, device=x.device)
     cfg = {"num_warps": 4, **(config or gemv_config(rows, pairs, k, norm=True, silu_mul=True))}
     _qkv_rope_store_kernel[(triton.cdiv(pairs, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, norm_weight, cos, sin, slot_mapping, q_out, k_cache, v_cache,
+        x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, norm_weight, cos,
+        sin, slot_mapping, q_out, k_cache, v_cache,
         rows, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), cos.stride(0),
         q_out.stride(0), q_out.stride(1), *k_cache.stride(), *v_cache.stride(), eps, num_heads, num_kv_heads,
-        HALF=half, BLOCK_SIZE=k_cache.shape[1], HAS_BIAS=bias is not None, ONE_TILE=k <= cfg["BLOCK_K"], **cfg,
-        **pdl(x),
+        HALF=half, BLOCK_SIZE=k_cache.shape[1], HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None,
+        ONE_TILE=k <= cfg["BLOCK_K"], **cfg, **pdl(x),
     )
     return q_out

@@ -20,6 +20,7 @@ from picovllm.distributed.kv_transfer.nixl import NixlKVTransfer
 from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.messages import SamplerOutput, SamplingBatch, StepInputs
 from picovllm.model.layers.attention import prefill_work_items
+from picovllm.model.layers.fp8 import quantize_linear_weights
 from picovllm.model.layers.linear import pack_weights
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
@@ -60,6 +61,12 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         self.eos_ids = eos_ids
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
+        if engine_cfg.quantization == "fp8":
+            if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+                raise ValueError("quantization 'fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper)")
+            layers = quantize_linear_weights(self.model)
+            size = sum(t.numel() * t.element_size() for t in self.model.parameters())
+            logger.info("%d linear layers quantized to fp8 (weights now %.2f GiB)", layers, size / (1 << 30))
         if device.type == "cpu":
             pack_weights(self.model)
         self.sampler = Sampler()

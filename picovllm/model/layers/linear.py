@@ -20,6 +20,7 @@ from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from picovllm.kernels.gemv import gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
+from picovllm.model.layers.fp8 import dequantize_fp8
 
 
 def one_row_on_gpu(x: torch.Tensor) -> bool:
@@ -33,14 +34,16 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    weight_scale: torch.Tensor | None = None,
     norm: nn.Module | None = None,
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
 ) -> torch.Tensor:
     """residual + act(norm(x) @ weight.T + bias), where act is SiLU*mul of the two output halves
-    when silu_mul is set. residual may be updated in place and returned (callers pass the residual
-    stream, whose old value they do not read again): the GEMM then adds into it, where a new output
-    first took a copy of it (a device-to-device copy per call, two per layer)."""
+    when silu_mul is set; weight_scale: an FP8 weight's scale per row (model/layers/fp8.py).
+    residual may be updated in place and returned (callers pass the residual stream, whose old
+    value they do not read again): the GEMM then adds into it, where a new output first took a
+    copy of it (a device-to-device copy per call, two per layer)."""
     if one_row_on_gpu(x):
         return gemv_triton(
             x,
@@ -50,7 +53,10 @@ def linear(
             norm.eps if norm is not None else 0.0,
             residual,
             silu_mul,
+            weight_scale=weight_scale,
         )
+    if weight_scale is not None:  # (FP8: dequantized for the GEMM; the GEMV above reads the FP8 bytes)
+        weight = dequantize_fp8(weight, weight_scale, x.dtype)
     if norm is not None:
         x = norm(x)
     if weight.is_mkldnn:  # (oneDNN's own layout on a CPU: pack_weights)
@@ -70,7 +76,7 @@ def pack_weights(model: nn.Module) -> int:
     linear() hands to oneDNN's own linear: the GEMM PyTorch's F.linear runs, without re-reading
     the weight in the layout it was loaded in (Inductor packs CPU weights the same way). A
     packed weight takes the place of the plain one (a tied LM head keeps the embedding's).
-    Returns how many weights were packed (0: none, the plain path)."""
+    Returns how many weights were packed (0: none, the plain path). FP8 weights stay as they are."""
     dtype = next(model.parameters()).dtype
     supported = {
         torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
@@ -80,7 +86,7 @@ def pack_weights(model: nn.Module) -> int:
         return 0
     from picovllm.model.layers.embedding import ParallelLMHead
 
-    layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead) and m.weight.dtype == dtype]
     for m in layers:
         m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1), requires_grad=False)
     return len(layers)
@@ -110,6 +116,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("weight_scale", None)  # (an FP8 weight's: model/layers/fp8.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.tp_dim is not None and self.tp_size > 1 and loaded.dim() > self.tp_dim:
@@ -117,7 +124,7 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, norm=norm)
+        return linear(x, self.weight, self.bias, weight_scale=self.weight_scale, norm=norm)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -145,7 +152,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: SiLU of the first output half times the second (gate and up projections)."""
-        return linear(x, self.weight, self.bias, norm=norm, silu_mul=silu_mul)
+        return linear(x, self.weight, self.bias, weight_scale=self.weight_scale, norm=norm, silu_mul=silu_mul)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -187,6 +194,6 @@ class RowParallelLinear(LinearBase):
         are reduced before the residual add."""
         bias = self.bias if self.tp_rank == 0 else None
         if self.tp_size == 1:
-            return linear(x, self.weight, bias, residual=residual)
-        y = tp_all_reduce(linear(x, self.weight, bias))
+            return linear(x, self.weight, bias, weight_scale=self.weight_scale, residual=residual)
+        y = tp_all_reduce(linear(x, self.weight, bias, weight_scale=self.weight_scale))
         return y if residual is None else residual.add_(y)

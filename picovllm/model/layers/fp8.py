@@ -1,0 +1,43 @@
+"""FP8 linear weights (quantization="fp8", vLLM's name): each linear layer's weight quantized at
+load time to float8 e4m3 with one fp32 scale per output channel, weight = fp8 * scale[row].
+Embeddings, norms and the LM head stay in the model's dtype, as vLLM keeps them.
+
+A quantized layer holds `weight` in e4m3 and `weight_scale` [out]. The GEMV at one row on the GPU
+reads the FP8 bytes and scales its sums (kernels/gemv.py); every other path dequantizes the
+weight to the activations' dtype for the GEMM (model/layers/linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 scale per row): each row scaled so that its largest magnitude is e4m3's
+    largest, then rounded to nearest; an all-zero row gets a tiny scale and zeros."""
+    amax = weight.abs().amax(dim=1).float().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = amax / FP8_MAX
+    return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight the quantized one stands for, in dtype (computed in fp32, rounded once)."""
+    return (weight.float() * scale[:, None]).to(dtype)
+
+
+def quantize_linear_weights(model: nn.Module) -> int:
+    """Every linear layer's weight (model/layers/linear.py LinearBase: QKV, o, gate_up, down) in
+    e4m3 with its per-row scale, in place; returns how many layers. Under tensor parallelism each
+    rank quantizes the rows it holds (a row-parallel layer's scale covers its own slice of K)."""
+    from picovllm.model.layers.linear import LinearBase
+
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for m in layers:
+        q, scale = quantize_fp8(m.weight.detach())
+        m.weight = nn.Parameter(q, requires_grad=False)
+        m.weight_scale = nn.Parameter(scale, requires_grad=False)
+    return len(layers)
