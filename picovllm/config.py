@@ -52,6 +52,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    quantization: str | None = None  # the checkpoint's: "fp8" (its linear weights in e4m3 with their scales)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -78,6 +79,14 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        quant = cfg.get("quantization_config")
+        if quant is not None:
+            if quant.get("quant_method") != "fp8":
+                raise ValueError(
+                    f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported (supported: fp8)"
+                )
+            if quant.get("weight_block_size"):
+                raise ValueError("block-wise FP8 (quantization_config.weight_block_size) is not supported")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -96,6 +105,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             torch_dtype=str(dtype).replace("torch.", ""),
             eos_token_ids=eos_ids,
+            quantization="fp8" if quant is not None else None,
             hf_config=cfg,
         )
 

@@ -2,6 +2,7 @@
 layers it quantizes, and the engine's output under it against the unquantized model's. The
 kernels' FP8 path is in tests/test_kernels.py."""
 
+import json
 import os
 import shutil
 
@@ -69,10 +70,84 @@ def test_fp8_engine_computes_with_the_quantized_weights(model, request, tmp_path
     assert len(layers) == 4 * net.config.num_hidden_layers
     assert all(m.weight.dtype == FP8 and m.weight_scale.shape == (m.weight.shape[0],) for m in layers)
     assert net.lm_head.weight.dtype != FP8 and net.model.embed_tokens.weight.dtype != FP8
-    got = llm.generate(prompts, params, use_tqdm=False)
+    _assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), expect)
+
+
+def _assert_same_outputs(got, expect) -> None:
+    """The same tokens, and log-probabilities equal to fp32's rounding."""
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expect]
     for a, b in zip(got, expect):
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert step_a.keys() == step_b.keys()
             for token, lp in step_a.items():
                 assert abs(lp.logprob - step_b[token].logprob) < 1e-4
+
+
+def _fp8_checkpoint(path: str, out: str, per_tensor: bool) -> None:
+    """The checkpoint at path as an FP8 one, in the format vLLM and llm-compressor write: each
+    projection's weight in e4m3 with `weight_scale` (one per tensor, or one per row as [rows, 1]),
+    a static `input_scale` beside it, config.json's quantization_config saying so."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
+            w = tensors[name]
+            if per_tensor:  # (one scale: the tensor's largest magnitude at e4m3's largest)
+                scale = (w.abs().max().float() / FP8_MAX).reshape(())
+                tensors[name] = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            else:
+                tensors[name], scale = quantize_fp8(w)
+                scale = scale[:, None]
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.01)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_an_fp8_checkpoint_loads_as_it_is(tiny_qwen, tmp_path, per_tensor):
+    """A checkpoint with quant_method "fp8" loads its e4m3 weights and scales without quantizing
+    again (quantization need not be given): the same tokens and log-probabilities as the
+    unquantized engine on those weights dequantized; a scale per tensor serves every row of it.
+    What the engine cannot run is refused when the config is read: block-wise FP8, another method."""
+    from picovllm.config import ModelConfig
+
+    ckpt = str(tmp_path / "fp8")
+    _fp8_checkpoint(tiny_qwen[0], ckpt, per_tensor)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    shutil.copytree(ckpt, tmp_path / "dequantized")
+    for name in [n for n in tensors if n.endswith("weight_scale")]:
+        weight = name.removesuffix("_scale")
+        scale = tensors.pop(name).float().reshape(-1).expand(tensors[weight].shape[0])
+        tensors[weight] = dequantize_fp8(tensors[weight], scale, torch.float32)
+        tensors.pop(weight.removesuffix("weight") + "input_scale")
+    save_file(tensors, str(tmp_path / "dequantized" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "dequantized" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "dequantized" / "config.json").write_text(json.dumps(cfg))
+
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 4 + 5 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    expect = make_llm(str(tmp_path / "dequantized")).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(ckpt)
+    qkv = llm.llm_engine.executor.driver.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == FP8
+    if per_tensor:  # (q, k and v each had one scale: three runs of equal rows)
+        assert len(set(qkv.weight_scale.tolist())) == 3
+    _assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), expect)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    for quant, error in (
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+        ({"quant_method": "gptq"}, "'gptq' is not supported"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            ModelConfig.from_dict({**cfg, "quantization_config": quant})

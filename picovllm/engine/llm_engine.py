@@ -72,7 +72,11 @@ class LLMEngine:
         )
         # what this instance's KV is (disaggregated serving's peers must agree)
         self.kv_compat = kv_compat(
-            self.executor.weights_fingerprint, self.dtype, self.model_config, config.block_size, config.quantization
+            self.executor.weights_fingerprint,
+            self.dtype,
+            self.model_config,
+            config.block_size,
+            config.quantization or self.model_config.quantization,
         )
         self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
         if config.kv_role != "both":

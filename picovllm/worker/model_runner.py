@@ -60,10 +60,11 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = engine_cfg.block_size
         self.eos_ids = eos_ids
+        fp8 = model_cfg.quantization == "fp8" or engine_cfg.quantization == "fp8"
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("FP8 weights need a GPU of compute capability 8.9 or later (Ada, Hopper)")
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
-        if engine_cfg.quantization == "fp8":
-            if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-                raise ValueError("quantization 'fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper)")
+        if engine_cfg.quantization == "fp8" and model_cfg.quantization is None:  # (an FP8 checkpoint loads as it is)
             layers = quantize_linear_weights(self.model)
             size = sum(t.numel() * t.element_size() for t in self.model.parameters())
             logger.info("%d linear layers quantized to fp8 (weights now %.2f GiB)", layers, size / (1 << 30))

@@ -5,6 +5,10 @@ Embeddings, norms and the LM head stay in the model's dtype, as vLLM keeps them.
 A quantized layer holds `weight` in e4m3 and `weight_scale` [out]. The GEMV at one row on the GPU
 reads the FP8 bytes and scales its sums (kernels/gemv.py); every other path dequantizes the
 weight to the activations' dtype for the GEMM (model/layers/linear.py).
+
+An FP8 checkpoint (config.json's quantization_config with quant_method "fp8", as vLLM and
+llm-compressor write it: `weight` in e4m3 and `weight_scale`, one per tensor or one per row)
+loads as it is, into layers given FP8 parameters before loading (fp8_parameters).
 """
 
 from __future__ import annotations
@@ -41,3 +45,32 @@ def quantize_linear_weights(model: nn.Module) -> int:
         m.weight = nn.Parameter(q, requires_grad=False)
         m.weight_scale = nn.Parameter(scale, requires_grad=False)
     return len(layers)
+
+
+def fp8_parameters(model: nn.Module) -> None:
+    """Every linear layer with an e4m3 weight and an fp32 scale per row, empty, for an FP8
+    checkpoint to load into: each takes its rows as the layer's weight loader gives them (fused
+    shards, tensor-parallel slices). A checkpoint's scale of one per tensor is its rows' scale."""
+    from picovllm.model.layers.linear import LinearBase
+
+    for m in model.modules():
+        if not isinstance(m, LinearBase):
+            continue
+        m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=FP8, device=m.weight.device), requires_grad=False)
+        m.weight.weight_loader = m.weight_loader
+        scale = torch.empty(m.weight.shape[0], dtype=torch.float32, device=m.weight.device)
+        m.weight_scale = nn.Parameter(scale, requires_grad=False)
+        m.weight_scale.weight_loader = _scale_loader(m)
+
+
+def _scale_loader(layer):
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        loaded = loaded.float().reshape(-1)  # (per row: [rows] or [rows, 1])
+        if loaded.numel() == 1:  # one per tensor: every row of it
+            loaded = loaded.expand(layer.checkpoint_rows(shard_id))
+        if shard_id is None:
+            layer.weight_loader(param, loaded)
+        else:
+            layer.weight_loader(param, loaded, shard_id)
+
+    return load

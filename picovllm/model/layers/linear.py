@@ -126,6 +126,10 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         return linear(x, self.weight, self.bias, weight_scale=self.weight_scale, norm=norm)
 
+    def checkpoint_rows(self, shard_id=None) -> int:
+        """Rows of the checkpoint tensor (all ranks' rows) that weight_loader takes this shard from."""
+        return self.weight.shape[0] * (self.tp_size if self.tp_dim == 0 else 1)
+
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
@@ -150,6 +154,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard = loaded.chunk(self.tp_size, 0)[self.tp_rank]
         _copy_checked(param.data.narrow(0, offset, size), shard)
 
+    def checkpoint_rows(self, shard_id=0) -> int:
+        return self.output_sizes[shard_id]
+
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: SiLU of the first output half times the second (gate and up projections)."""
         return linear(x, self.weight, self.bias, weight_scale=self.weight_scale, norm=norm, silu_mul=silu_mul)
@@ -169,6 +176,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, local * tp, bias)
         self.first_kv_head = self.tp_rank // self.kv_replicas * self.num_kv_heads  # (of the model's)
+        self.total_kv_heads = num_kv_heads
+
+    def checkpoint_rows(self, shard_id="q") -> int:
+        return (self.num_heads * self.tp_size if shard_id == "q" else self.total_kv_heads) * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

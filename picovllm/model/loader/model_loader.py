@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from picovllm.config import ModelConfig
+from picovllm.model.layers.fp8 import fp8_parameters
 from picovllm.model.layers.linear import default_weight_loader
 from picovllm.model.registry import MODEL_REGISTRY
 
@@ -107,6 +108,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
+        if name.endswith((".input_scale", ".k_scale", ".v_scale")) and model.config.quantization == "fp8":
+            continue  # (an FP8 checkpoint's static activation and KV scales: activations stay in the model's dtype)
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # the tied head is the embedding
         target, shard = name, None
@@ -157,6 +160,8 @@ def load_model(
             model = MODEL_REGISTRY[cfg.architecture](cfg, max_position)
     finally:
         torch.set_default_dtype(default_dtype)
+    if cfg.quantization == "fp8":  # an FP8 checkpoint: its e4m3 weights and scales load as they are
+        fp8_parameters(model)
     if path is None:
         load_weights(model, _dummy_tensors(cfg, seed, device), "dummy weights")
     else:
