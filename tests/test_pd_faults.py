@@ -203,8 +203,10 @@ def test_a_frozen_prefill_instance_costs_a_pull_timeout_and_blocks_nothing_else(
             assert len(tokens) == 100 and "n2" not in results  # (the stream ended while the pull waited)
             assert time.monotonic() - start < timeout_s - 1
             # (D with nothing to do but wait on the pull: its engine loop sleeps; NIXL's progress thread
-            # polls without a pause while a transfer is outstanding, as UCX does)
-            assert _cpu_share(engine.pid, 0.7, main_thread=True) < 0.1
+            # polls without a pause while a transfer is outstanding, as UCX does. A spinning loop takes
+            # the whole core; the window opens as the stream ends, whose last steps may still run in
+            # it: 0.19 was seen on a loaded 2-core machine)
+            assert _cpu_share(engine.pid, 0.7, main_thread=True) < 0.4
             waiter.join(60)
             m = _metrics(url)
             assert m["picovllm:kv_blocks_quarantined"] > 0  # (the READ from the frozen P is still posted)
