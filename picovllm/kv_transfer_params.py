@@ -57,9 +57,12 @@ class KVTransferParams:
             "remote_compat": self.remote_compat,
         }
 
-    def check(self, role: str, block_size: int, num_prompt_tokens: int, n: int) -> None:
-        """Against this instance's role and the request: ValueError ("kv_transfer_params: ...")."""
-        problem = self._fit_problem(role, block_size, num_prompt_tokens, n)
+    def check(self, role: str, block_size: int, num_prompt_tokens: int, params) -> None:
+        """Against this instance's role and the request (its SamplingParams): ValueError
+        ("kv_transfer_params: ...")."""
+        problem = self._fit_problem(role, block_size, num_prompt_tokens, params.n)
+        if problem is None and params.prompt_logprobs is not None:
+            problem = "prompt_logprobs (echo with logprobs) need the prompt computed where they are asked, not moved"
         if problem is not None:
             raise ValueError(f"kv_transfer_params: {problem}")
 

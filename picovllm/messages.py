@@ -87,6 +87,7 @@ class EngineCoreOutput(NamedTuple):
     finished: bool
     num_cached_tokens: int
     kv_transfer_params: KVTransferParams | None
+    prompt_logprobs: list | None = None  # (in the first output that has them whole)
 
     @classmethod
     def of(cls, out: RequestOutput) -> EngineCoreOutput:
@@ -94,7 +95,14 @@ class EngineCoreOutput(NamedTuple):
             CompletionDelta(c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
             for c in out.outputs
         ]
-        return cls(out.request_id, completions, out.finished, out.num_cached_tokens, out.kv_transfer_params)
+        return cls(
+            out.request_id,
+            completions,
+            out.finished,
+            out.num_cached_tokens,
+            out.kv_transfer_params,
+            out.prompt_logprobs,
+        )
 
     def request_output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
         outputs = [CompletionOutput(index, *c) for index, c in enumerate(self.completions)]
@@ -106,6 +114,7 @@ class EngineCoreOutput(NamedTuple):
             self.finished,
             self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -147,6 +156,9 @@ class StepInputs:
     # copies between the GPU and host KV pools to run before the forward, in order: (to the
     # host?, source block ids, destination block ids) (engine/block_manager.py)
     kv_copies: list[tuple[bool, list[int], list[int]]] = field(default_factory=list)
+    # the sequences whose prompt's log-probabilities this step computes: (sequence, top-k, the
+    # prompt tokens its first len(targets) new tokens predict, each the next token's id)
+    prompt_logprobs: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -188,6 +200,11 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None  # [B] its rank (1 = most likely)
     top_logprobs: torch.Tensor | None  # [B, max_logprobs]
     top_ids: torch.Tensor | None  # [B, max_logprobs]
+    # StepInputs.prompt_logprobs' targets end to end (a step may compute them and sample nothing):
+    prompt_logprobs: torch.Tensor | None = None  # [T] the target's log-probability
+    prompt_ranks: torch.Tensor | None = None  # [T] its rank
+    prompt_top_logprobs: torch.Tensor | None = None  # [T, the largest k]
+    prompt_top_ids: torch.Tensor | None = None
 
 
 @dataclass

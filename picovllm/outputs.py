@@ -16,6 +16,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the top-k and the sampled token).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token: None for the first (nothing before it), then token id -> Logprob (the top-k
+# and the prompt's token).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -42,3 +45,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     kv_transfer_params: KVTransferParams | None = None  # a prefill instance's: where a decode instance pulls the KV
+    prompt_logprobs: PromptLogprobs | None = (
+        None  # (SamplingParams.prompt_logprobs; a DELTA stream: in its first output)
+    )

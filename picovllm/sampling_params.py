@@ -68,8 +68,10 @@ class SamplingParams:
     Penalties follow vLLM: repetition_penalty multiplies down the logits of tokens seen in the
     prompt or output (1 = off); presence/frequency penalties subtract from the logits of tokens
     seen in the output (0 = off). ``logprobs=k`` returns the top-k log-probabilities (of the raw
-    model distribution) at each step, plus the sampled token's. structured_outputs constrains
-    the output (StructuredOutputsParams).
+    model distribution) at each step, plus the sampled token's; ``prompt_logprobs=k`` the same for
+    each prompt token given the ones before it (RequestOutput.prompt_logprobs; the request's prompt
+    is computed whole, without prefix-cache hits). structured_outputs constrains the output
+    (StructuredOutputsParams).
     """
 
     n: int = 1
@@ -88,6 +90,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -149,6 +152,12 @@ class SamplingParams:
         need(
             self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or None",
+        )
+        need(
+            self.prompt_logprobs is None
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
             f"must be an integer in [0, {MAX_LOGPROBS}] or None",
         )
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")

@@ -134,6 +134,47 @@ def test_logprobs(llm):
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
+def test_prompt_logprobs_equal_transformers_on_every_path(tiny_qwen):
+    """prompt_logprobs=k: each prompt token's log-probability given the ones before it (None for the
+    first), its rank, and the top k, equal to transformers' (fp32), for a prompt computed in
+    8-token chunks beside decodes (async steps), one whose prefix is in the cache (computed again:
+    a hit would skip its logits), and n=2 (once, for the request); a DELTA stream has them in
+    one output."""
+    import torch
+
+    path, hf = tiny_qwen
+    llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=4)
+    prompts = [list(range(3, 23)), list(range(40, 45)), list(range(3, 23)) + [7, 8, 9]]
+    with torch.no_grad():
+        expect = [torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1) for p in prompts]
+    llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1), use_tqdm=False)  # (cached)
+    params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, n=n) for n in (1, 1, 2)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out, lp in zip(prompts, outs, expect):
+        got = out.prompt_logprobs
+        assert len(got) == len(p) and got[0] is None
+        for i in range(1, len(p)):
+            token, entry = p[i], got[i]
+            assert entry[token].logprob == pytest.approx(lp[i - 1, token].item(), abs=1e-4)
+            assert entry[token].rank == int((lp[i - 1] > lp[i - 1, token]).sum()) + 1
+            top = lp[i - 1].topk(2)
+            for rank, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+                assert entry[t].logprob == pytest.approx(v, abs=1e-4) and (t == token or entry[t].rank == rank)
+            assert len(entry) in (2, 3)
+    assert outs[0].num_cached_tokens == 0  # (its prefix was cached: not used)
+    engine = llm.llm_engine
+    engine.add_request(
+        "s", {"prompt_token_ids": prompts[0]}, dataclasses.replace(params[0], output_kind=RequestOutputKind.DELTA)
+    )
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o.prompt_logprobs for o in engine.step() if o.request_id == "s"]
+    assert [x is not None for x in seen] == [True] + [False] * (len(seen) - 1)
+    assert [e and e[prompts[0][i]].logprob for i, e in enumerate(seen[0])] == pytest.approx(
+        [e and e[prompts[0][i]].logprob for i, e in enumerate(outs[0].prompt_logprobs)], abs=1e-5
+    )
+
+
 def test_chat_applies_template(llm):
     tok = llm.get_tokenizer()
     conv = [{"role": "user", "content": "Hello"}]

@@ -200,11 +200,14 @@ def test_kv_transfer_params_are_parsed_whole_or_refused():
     ]:
         with pytest.raises(ValueError, match="^kv_transfer_params: .*" + said):
             KVTransferParams.from_dict(bad)
+    one = SamplingParams()
     with pytest.raises(ValueError, match="remote_block_ids do not cover the prompt"):
-        kv.check("decode", 4, 20, 1)
-    kv.check("decode", 16, 20, 1)
+        kv.check("decode", 4, 20, one)
+    kv.check("decode", 16, 20, one)
     with pytest.raises(ValueError, match="remote blocks need a decode instance"):
-        kv.check("both", 16, 20, 1)
+        kv.check("both", 16, 20, one)
+    with pytest.raises(ValueError, match="^kv_transfer_params: prompt_logprobs"):
+        kv.check("decode", 16, 20, SamplingParams(prompt_logprobs=1))
 
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)

@@ -432,6 +432,21 @@ def test_echo_token_prompts_and_chat_tokenize(server, client):
         for stream in (False, True)
     }
     assert ids_echoed == {False: "Hello world" + plain, True: "Hello world" + plain}
+    # echo with logprobs: the prompt's tokens first (as vLLM: the first without a log-probability),
+    # their text offsets in the echoed text, streamed or not; 4 generated tokens after them
+    prompt_ids = tok.encode("Hello world")
+    for stream in (False, True):
+        r = client.completions.create(
+            model=MODEL, prompt="Hello world", max_tokens=4, temperature=0, echo=True, logprobs=1, stream=stream,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = list(r) if stream else [r]
+        lp = chunks[0].choices[0].logprobs
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        assert len(tokens) == len(prompt_ids) + 4 and "".join(tokens) == "Hello world" + plain
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x < 0 for x in lp.token_logprobs[1 : len(prompt_ids)])
+        assert lp.text_offset[: len(prompt_ids)] == [len(tok.decode(prompt_ids[:i])) for i in range(len(prompt_ids))]
     msgs = [{"role": "user", "content": "Hi"}]
     toks = httpx.post(url + "/tokenize", json={"messages": msgs}).json()["tokens"]
     assert toks == tok.encode(

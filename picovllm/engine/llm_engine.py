@@ -137,7 +137,7 @@ class LLMEngine:
         disaggregated prefill (engine/kv_handoff.py); ValueError if this instance's role does not
         take them."""
         if kv_transfer_params is not None:
-            kv_transfer_params.check(self.config.kv_role, self.config.block_size, len(ids), params.n)
+            kv_transfer_params.check(self.config.kv_role, self.config.block_size, len(ids), params)
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else (params.seed + i * 1_000_003) % _MAX_SEED
@@ -250,6 +250,8 @@ class LLMEngine:
         tokens = sampled.sampled.tolist() if step.reqs else []
         synced = time.perf_counter()
         ends = self.launcher.take_tokens(step.reqs, tokens)
+        if step.prompt_rows:
+            self.output_processor.add_prompt_logprobs(step.prompt_rows, sampled)
         outputs = self.output_processor.process(step.reqs, tokens, sampled, ends)
         if not self.groups:
             self.launcher.reset()  # nothing left to read from a step launched ahead

@@ -37,6 +37,7 @@ class RequestGroup:
     arrival_time: float  # time.time(), as vLLM's RequestMetrics
     first_token_time: float | None = None
     kv_transfer_params: KVTransferParams | None = None  # a prefill instance's answer: where the KV is held
+    prompt_logprobs_sent: bool = False  # (a DELTA stream's, sent with its first output)
 
 
 class OutputProcessor:
@@ -116,6 +117,22 @@ class OutputProcessor:
             return "length", None
         return None, None
 
+    def add_prompt_logprobs(self, prompt_rows: list[tuple[Request, int, int]], out: SamplerOutput) -> None:
+        """A step's prompt log-probabilities (StepLauncher's LaunchedStep.prompt_rows, in the order of
+        out's prompt_* rows): token p of the step's first count of a request predicts prompt token
+        p + 1. Positions a request already has (computed again after a preemption) are kept."""
+        rows = {"chosen": out.prompt_logprobs.tolist(), "rank": out.prompt_ranks.tolist()}
+        if out.prompt_top_ids is not None:
+            rows["top_ids"], rows["top_logprobs"] = out.prompt_top_ids.tolist(), out.prompt_top_logprobs.tolist()
+        i = 0
+        for req, start, count in prompt_rows:
+            for p in range(start + 1, start + 1 + count):
+                if p == len(req.prompt_logprobs):
+                    req.prompt_logprobs.append(
+                        self._logprob_dict(rows, i, req.token_ids[p], req.params.prompt_logprobs)
+                    )
+                i += 1
+
     @staticmethod
     def _logprob_rows(out: SamplerOutput) -> dict[str, list]:
         rows = {"chosen": out.sampled_logprobs.tolist(), "rank": out.sampled_ranks.tolist()}
@@ -152,6 +169,10 @@ class OutputProcessor:
             )
         if finished:
             del self.groups[request_id]
+        first = group.children[0]
+        prompt_logprobs = None  # (once whole; a DELTA stream has them in one output)
+        if first.prompt_logprobs is not None and not first.needs_prompt_logprobs and not group.prompt_logprobs_sent:
+            prompt_logprobs, group.prompt_logprobs_sent = first.prompt_logprobs, delta
         num_cached = group.children[0].num_prompt_cached_tokens or 0
         metrics = {"arrival_time": group.arrival_time}
         if group.first_token_time is not None:
@@ -167,6 +188,7 @@ class OutputProcessor:
             num_cached,
             metrics,
             group.kv_transfer_params if finished else None,
+            prompt_logprobs,
         )
 
     @staticmethod

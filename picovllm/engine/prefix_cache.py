@@ -65,11 +65,14 @@ class PrefixCache:
     def acquire(self, req: Request) -> int:
         """Give req the cached full blocks of its longest cached prefix (leaving at least its
         last token to compute), promoting what of it is on the host, and lock them; they count
-        as computed (req.num_host_cached_tokens of them came from the host). Returns how many
-        more blocks it needs for all its tokens."""
+        as computed (req.num_host_cached_tokens of them came from the host); none for a request
+        whose prompt's log-probabilities are still to be computed. Returns how many more blocks it
+        needs for all its tokens."""
         bm = self.block_manager
         if self.tree is not None:
-            node, matched = self.tree.match_prefix(req.token_ids, req.num_tokens - 1)
+            node, matched = self.tree.match_prefix(
+                req.token_ids, 0 if req.needs_prompt_logprobs else req.num_tokens - 1
+            )
             num_cached = matched // self.block_size * self.block_size
             node, num_cached, from_host = self._promote(node, num_cached)
             blocks = self.tree.path_blocks(node, num_cached)

@@ -73,6 +73,9 @@ class Request:
         self.num_output_sent = 0  # RequestOutputKind.DELTA: output tokens (and logprobs) reported so far
         self.text_sent = 0  # and characters of output_text
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # its prompt's (the first completion's alone): position -> the prompt token's logprobs given
+        # the ones before; None at 0 (SamplingParams.prompt_logprobs)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -92,6 +95,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prompt's log-probabilities are still to be computed (its prompt is then
+        computed whole: no prefix-cache hit)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -27,14 +27,17 @@ from picovllm.messages import ExecuteStep, ModelRunnerOutput, SamplingBatch, Ste
 
 class LaunchedStep(NamedTuple):
     """A launched forward: its batch, the requests that sample, their samples on the way to the
-    host (None: no row samples, or not yet: deferred), its number (BlockManager.step_launched),
-    and whether its samples wait for its grammars' bitmask (StepLauncher.sample_deferred)."""
+    host (None: no row samples and no prompt log-probabilities, or not yet: deferred), its number
+    (BlockManager.step_launched), whether its samples wait for its grammars' bitmask
+    (StepLauncher.sample_deferred), and the requests whose prompt log-probabilities it computes:
+    (request, the position of its first token in the step, how many; StepInputs.prompt_logprobs)."""
 
     batch: ScheduledBatch
     reqs: list[Request]
     out: ModelRunnerOutput | None
     number: int
     deferred: bool = False
+    prompt_rows: list[tuple[Request, int, int]] = []
 
 
 def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | None = None) -> StepInputs:
@@ -42,12 +45,15 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | N
     the KV pools to run first. The first num_pending requests decode a token sampled by the step
     before and not yet read by the host (a step launched ahead): their input token is a
     placeholder, filled on the device (ModelRunner.prepare)."""
-    token_ids, context, sample = [], [], []
+    token_ids, context, sample, prompt_logprobs = [], [], [], []
     for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
         end = r.num_computed_tokens + n
         token_ids.append([0] if i < num_pending else r.token_ids[end - n : end])
         context.append(end)
         sample.append(i < num_pending or end == len(r.token_ids))
+        if r.needs_prompt_logprobs and end - n + 1 < r.num_prompt_tokens:  # (token p predicts prompt token p + 1)
+            targets = r.token_ids[end - n + 1 : min(end + 1, r.num_prompt_tokens)]
+            prompt_logprobs.append((i, r.params.prompt_logprobs, targets))
     return StepInputs(
         token_ids,
         np.array(context, dtype=np.int64),
@@ -55,6 +61,7 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | N
         [r.block_table for r in batch.requests],
         np.array(sample),
         kv_copies or [],
+        prompt_logprobs,
     )
 
 
@@ -141,9 +148,12 @@ class StepLauncher:
         sampling = self._sampling_batch(reqs, defer) if reqs else None
         out = self.executor.execute_step(ExecuteStep(step, num_pending, pending_rows), sampling, defer)
         number = self.block_manager.step_launched()
+        prompt_rows = [
+            (batch.requests[i], batch.requests[i].num_computed_tokens, len(t)) for i, _, t in step.prompt_logprobs
+        ]
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        return LaunchedStep(batch, reqs, out, number, defer)
+        return LaunchedStep(batch, reqs, out, number, defer, prompt_rows)
 
     def take_tokens(self, reqs: list[Request], tokens: list[int]) -> list[str | None]:
         """A step's tokens, read: its rows' grammars take them (accept_tokens: what each row's

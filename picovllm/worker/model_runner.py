@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from picovllm.config import EngineConfig, ModelConfig
@@ -30,6 +31,7 @@ from picovllm.worker.sampler import Sampler, SamplingTensors, pinned_to
 logger = logging.getLogger("picovllm")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30
+PROMPT_ROWS = 512  # prompt tokens whose log-probabilities are computed at a time (a [rows, vocab] fp32 each)
 
 
 def allocate_kv_pool(
@@ -73,7 +75,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.upload = Uploader(device)
         self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None
-        self._deferred: tuple[torch.Tensor, SamplingTensors] | None = None  # (run with defer: its logits)
+        self._deferred: tuple | None = None  # (run with defer: its logits, sampling tensors, prompt logprobs)
+        self._prompt: tuple | None = None  # (the step's prompt logprobs, from step_logits to run)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None  # (the KV cache's host tier, kv_offload_memory)
@@ -264,11 +267,49 @@ class ModelRunner:
             hidden = graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self._prompt = self._prompt_logprobs(hidden, step) if step.prompt_logprobs else None
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
         elif graphs is not None:  # a decode graph's padding rows are not sampled
             hidden = hidden[: step.num_seqs]
         return self.model.compute_logits(hidden)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> tuple | None:
+        """StepInputs.prompt_logprobs: each target token's log-probability and rank under the
+        logits of the token before it, and the top-k (the largest k of the step), as SamplerOutput's
+        prompt_* tensors; PROMPT_ROWS rows at a time (a [rows, vocab] fp32 each). Every rank
+        computes the logits (the LM head's gather); rank 0 returns them, the others None."""
+        starts = np.concatenate([[0], np.cumsum(step.query_lens)[:-1]])
+        rows = np.concatenate([np.arange(starts[b], starts[b] + len(t)) for b, _, t in step.prompt_logprobs])
+        targets = torch.tensor([t for _, _, ts in step.prompt_logprobs for t in ts], device=self.device)
+        k = max(k for _, k, _ in step.prompt_logprobs)
+        parts = []
+        for i in range(0, len(rows), PROMPT_ROWS):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(rows[i : i + PROMPT_ROWS]).to(self.device)])
+            if logits is None:
+                continue
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            chosen = logprobs.gather(1, targets[i : i + PROMPT_ROWS, None]).squeeze(1)
+            ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
+            top = logprobs.topk(k, dim=-1) if k else None
+            parts.append((chosen, ranks, top.values if top else None, top.indices if top else None))
+        if not parts:
+            return None
+        return tuple(torch.cat(column) if column[0] is not None else None for column in zip(*parts))
+
+    def _with_prompt(self, out: SamplerOutput | None, prompt: tuple | None) -> SamplerOutput | None:
+        """The step's samples with its prompt log-probabilities (out None: it sampled nothing)."""
+        if prompt is None:
+            return out
+        if out is None:
+            out = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device), None, None, None, None)
+        return dataclasses.replace(
+            out,
+            prompt_logprobs=prompt[0],
+            prompt_ranks=prompt[1],
+            prompt_top_logprobs=prompt[2],
+            prompt_top_ids=prompt[3],
+        )
 
     def _sampling_tensors(self, batch: SamplingBatch) -> SamplingTensors:
         """The batch's sampling tensors. The engine decides when they can be reused: it sends the
@@ -309,19 +350,20 @@ class ModelRunner:
         samples. pending, num_pending: see prepare(). defer: the samples wait for the bitmask of
         the rows' grammars (sample_deferred); the logits are kept until then."""
         logits = self.step_logits(step, pending, num_pending)
+        prompt, self._prompt = self._prompt, None
         # The sampling parameters are built while the forward runs (host time that a lone
         # request's first token would otherwise wait for); they reach
         # the device through pinned memory, which never waits for the queued forward.
         if sampling is None or not sampling.num_rows:
-            return None
+            return self._with_prompt(None, prompt)
         if defer:
-            self._deferred = (logits, self._sampling_tensors(sampling))
+            self._deferred = (logits, self._sampling_tensors(sampling), prompt)
             return None
-        return self.sampler(logits, self._sampling_tensors(sampling))
+        return self._with_prompt(self.sampler(logits, self._sampling_tensors(sampling)), prompt)
 
     def sample_deferred(self, bitmask: torch.Tensor | None) -> SamplerOutput:
         """The samples of the step run with defer, under bitmask (its rows' grammars)."""
-        (logits, tensors), self._deferred = self._deferred, None
+        (logits, tensors, prompt), self._deferred = self._deferred, None
         if bitmask is not None:
             tensors = dataclasses.replace(tensors, bitmask=pinned_to(bitmask, self.device))
-        return self.sampler(logits, tensors)
+        return self._with_prompt(self.sampler(logits, tensors), prompt)

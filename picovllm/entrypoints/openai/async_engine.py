@@ -203,7 +203,7 @@ class _Background:
             process_prompt, prompt, params, self.tokenizer, self.vocab_size, self.max_model_len
         )
         if kv_transfer_params is not None:
-            kv_transfer_params.check(self.kv_role, self.block_size, len(ids), params.n)
+            kv_transfer_params.check(self.kv_role, self.block_size, len(ids), params)
         return text, ids
 
     def generate(

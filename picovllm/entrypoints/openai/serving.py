@@ -254,10 +254,11 @@ async def collect(streams: list[RequestStream], metrics: ServerMetrics) -> list[
 async def _collect(stream: RequestStream, tracker: RequestTracker) -> RequestOutput:
     """A request's final output: each completion's DELTA outputs joined."""
     outputs: dict[int, CompletionOutput] = {}
-    out = None
+    out = prompt_logprobs = None
     try:
         async for out in stream:
             tracker.update(out)
+            prompt_logprobs = prompt_logprobs or out.prompt_logprobs  # (in one of the outputs)
             for c in out.outputs:
                 prev = outputs.get(c.index)
                 if prev is None:
@@ -290,6 +291,7 @@ async def _collect(stream: RequestStream, tracker: RequestTracker) -> RequestOut
         out.finished,
         out.num_cached_tokens,
         kv_transfer_params=out.kv_transfer_params,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -370,17 +372,23 @@ def _lp_item(lp) -> dict:
     return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
 
 
-def completion_logprobs(c: CompletionOutput, offset: int = 0) -> dict:
+def completion_logprobs(c: CompletionOutput, offset: int = 0, prompt: tuple | None = None, decode=None) -> dict:
     """/v1/completions' logprobs of c's tokens; text_offset: where each token's text starts in the
     choice's text, counted from offset (the text before them: an echoed prompt, or what a stream
-    has sent of the choice), as vLLM counts it."""
+    has sent of the choice), as vLLM counts it. prompt: (token ids, RequestOutput.prompt_logprobs)
+    of an echoed prompt, whose tokens come first (as vLLM gives them: the first without a
+    log-probability, its text from decode)."""
+    ids, entries = list(c.token_ids), list(c.logprobs or [])
+    if prompt is not None:
+        ids, entries = list(prompt[0]) + ids, list(prompt[1]) + entries
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(c.token_ids, c.logprobs or [], strict=False):
-        tokens.append(entry[tid].decoded_token)
-        token_lps.append(entry[tid].logprob)
-        tops.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+    for tid, entry in zip(ids, entries, strict=False):
+        text = decode(tid) if entry is None else entry[tid].decoded_token
+        tokens.append(text)
+        token_lps.append(None if entry is None else entry[tid].logprob)
+        tops.append(None if entry is None else {lp.decoded_token: lp.logprob for lp in entry.values()})
         offsets.append(offset)
-        offset += len(entry[tid].decoded_token or "")
+        offset += len(text or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 
@@ -39,6 +40,14 @@ def _echoed(out, state: ServerState) -> str:
     return out.prompt or state.tokenizer.decode(out.prompt_token_ids)
 
 
+def _logprobs(c, out, state: ServerState, offset: int, echoed: str) -> dict:
+    """completion_logprobs of c, the echoed prompt's tokens first when it has their logprobs."""
+    if echoed and out.prompt_logprobs is not None:
+        prompt = (out.prompt_token_ids, out.prompt_logprobs)
+        return completion_logprobs(c, offset, prompt, lambda t: state.tokenizer.decode([t]))
+    return completion_logprobs(c, offset + len(echoed))
+
+
 @router.post("/completions")
 async def completions(req: CompletionRequest, state: State, raw_request: Request):
     state.check_model(req.model)
@@ -47,6 +56,8 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
     params = state.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
     if req.echo:
         state.need_tokenizer()
+        if req.logprobs is not None:  # (the prompt's tokens' too, as vLLM gives them)
+            params = replace(params, prompt_logprobs=req.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     if req.kv_transfer_params is not None and len(prompts) != 1:
         raise APIError(400, "kv_transfer_params go with one prompt", param="kv_transfer_params")
@@ -69,7 +80,7 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
                     "text": echoed + c.text,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "logprobs": completion_logprobs(c, len(echoed)) if req.logprobs is not None else None,
+                    "logprobs": _logprobs(c, out, state, 0, echoed) if req.logprobs is not None else None,
                 }
             )
     return {
@@ -108,13 +119,15 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
     templates = EventTemplates(chunk)
     for i, stream in enumerate(streams):
         tracker, done, sent = state.metrics.track(), set(), {}  # (sent: characters of each choice so far)
+        prompt_out = None  # (the output with the prompt's logprobs: the first)
         async for out in stream:
             tracker.update(out)
+            prompt_out = prompt_out or out
             for c in new_completions(out, done):
                 echoed = _echoed(out, state) if req.echo and c.index not in sent else ""
                 text = echoed + c.text
-                before = sent.get(c.index, 0) + len(echoed)  # (where this chunk's tokens' text starts)
-                sent[c.index] = before + len(c.text)
+                before = sent.get(c.index, 0)  # (where this chunk's text starts)
+                sent[c.index] = before + len(text)
                 completion_tokens += len(c.token_ids)
                 index = i * n + c.index
                 if req.logprobs is None and c.finish_reason is None:
@@ -123,7 +136,7 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
                     yield chunk(
                         index,
                         text,
-                        completion_logprobs(c, before) if req.logprobs is not None else None,
+                        _logprobs(c, prompt_out, state, before, echoed) if req.logprobs is not None else None,
                         c.finish_reason,
                         c.stop_reason,
                     )
