@@ -130,16 +130,19 @@ def test_n_seed_and_logprobs(client):
         .logprobs
     )
     assert len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
-    # text_offset: where each token's text starts in the choice's text (after an echoed prompt)
+    # text_offset: where each token's text starts in the choice's text (with echo the prompt's tokens
+    # come first, from 0; then the generated ones, from the prompt's end)
     kw = dict(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
     echoed = client.completions.create(**kw, echo=True).choices[0].logprobs
     lengths = [len(t) for t in echoed.tokens]
-    assert echoed.text_offset == [len("Hello") + sum(lengths[:i]) for i in range(3)]
-    sent = 0  # streamed: a chunk's tokens start after the echoed prompt, then where the text sent so far ends
-    for i, chunk in enumerate(client.completions.create(**kw, echo=True, stream=True)):
+    assert echoed.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert echoed.text_offset[-3] == len("Hello")  # (the first generated token's)
+    sent = 0  # streamed: a chunk's tokens start where the text sent so far ends
+    for chunk in client.completions.create(**kw, echo=True, stream=True):
         choice = chunk.choices[0]
-        assert choice.logprobs.text_offset[:1] == [len("Hello") if i == 0 else sent][: len(choice.logprobs.tokens)]
+        assert choice.logprobs.text_offset[:1] == [sent][: len(choice.logprobs.tokens)]
         sent += len(choice.text)
+    assert sent == len("Hello") + sum(lengths[-3:])
     chat = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],
