@@ -1,0 +1,67 @@
+"""FP8 weights (quantization="fp8") against the model's dtype on a real model: the perplexity of a
+text that ships with Python (the Zen of Python, `this.s`) from prompt_logprobs, and greedy agreement
+over 20 fixed prompts (the tokens before the first difference, of 32 each).
+
+Usage: python benchmarks/fp8_accuracy.py [MODEL] [--device cpu|cuda] [--dtype bfloat16]
+       (MODEL: default the built-in default model)."""
+
+import argparse
+import codecs
+import math
+import this
+import time
+
+from picovllm import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "import numpy as np\n",
+    "The three primary colors are",
+    "SELECT name FROM users WHERE",
+    "In 1969, the first humans",
+    "class Stack:\n    def __init__(self):",
+    "The largest planet in the solar system is",
+    "To sort a list in Python, you can",
+    "Photosynthesis is the process by which",
+    "#include <stdio.h>\nint main() {",
+    "The theory of relativity was developed by",
+    "def is_prime(n):",
+    "A haiku about the sea:\n",
+    "The speed of light is approximately",
+    "git commit -m",
+    "The Pythagorean theorem states that",
+    "function add(a, b) {",
+    "The main ingredients of bread are",
+]
+TOKENS = 32
+
+
+def run(args, quantization: str | None) -> tuple[list[list[int]], float, float]:
+    """(greedy tokens per prompt, perplexity of the text, seconds)."""
+    start = time.perf_counter()
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=512, quantization=quantization)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False)
+    text = codecs.decode(this.s, "rot13")
+    out = llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    nll = -sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))) / (len(ids) - 1)
+    return [o.outputs[0].token_ids for o in outs], math.exp(nll), time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    base, fp8 = run(args, None), run(args, "fp8")
+    common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), TOKENS) for a, b in zip(base[0], fp8[0])]
+    print(f"perplexity {args.dtype} {base[1]:.3f}, fp8 {fp8[1]:.3f} ({fp8[1] / base[1] - 1:+.1%})")
+    print(f"greedy agreement {sum(common) / (TOKENS * len(PROMPTS)):.1%} (tokens before the first difference)")
+    print(f"wall {base[2]:.1f} s, fp8 {fp8[2]:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
