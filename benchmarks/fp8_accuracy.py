@@ -1,12 +1,15 @@
-"""FP8 weights (quantization="fp8") against the model's dtype on a real model: the perplexity of a
-text that ships with Python (the Zen of Python, `this.s`) from prompt_logprobs, and greedy agreement
-over 20 fixed prompts (the tokens before the first difference, of 32 each).
+"""FP8 weights (quantization="fp8") against the model's dtype on a real model: the perplexity of two
+texts that ship with Python (code: the start of json/decoder.py's source; prose: the Zen of Python,
+`this.s`) from prompt_logprobs, and greedy agreement over 20 fixed prompts (the tokens before the
+first difference, of 32 each).
 
 Usage: python benchmarks/fp8_accuracy.py [MODEL] [--device cpu|cuda] [--dtype bfloat16]
        (MODEL: default the built-in default model)."""
 
 import argparse
 import codecs
+import inspect
+import json.decoder
 import math
 import this
 import time
@@ -36,18 +39,23 @@ PROMPTS = [
     "The main ingredients of bread are",
 ]
 TOKENS = 32
+TEXTS = {"code": inspect.getsource(json.decoder)[:1700], "prose": codecs.decode(this.s, "rot13")}
 
 
-def run(args, quantization: str | None) -> tuple[list[list[int]], float, float]:
-    """(greedy tokens per prompt, perplexity of the text, seconds)."""
+def perplexity(llm: LLM, text: str) -> float:
+    """exp of the mean negative log-probability of the text's tokens after the first."""
+    out = llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    return math.exp(-sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))) / (len(ids) - 1))
+
+
+def run(args, quantization: str | None) -> tuple[list[list[int]], dict[str, float], float]:
+    """(greedy tokens per prompt, perplexity of each text, seconds)."""
     start = time.perf_counter()
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=512, quantization=quantization)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False)
-    text = codecs.decode(this.s, "rot13")
-    out = llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    ids = out.prompt_token_ids
-    nll = -sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))) / (len(ids) - 1)
-    return [o.outputs[0].token_ids for o in outs], math.exp(nll), time.perf_counter() - start
+    ppl = {name: perplexity(llm, text) for name, text in TEXTS.items()}
+    return [o.outputs[0].token_ids for o in outs], ppl, time.perf_counter() - start
 
 
 def main() -> None:
@@ -58,7 +66,9 @@ def main() -> None:
     args = parser.parse_args()
     base, fp8 = run(args, None), run(args, "fp8")
     common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), TOKENS) for a, b in zip(base[0], fp8[0])]
-    print(f"perplexity {args.dtype} {base[1]:.3f}, fp8 {fp8[1]:.3f} ({fp8[1] / base[1] - 1:+.1%})")
+    for name in TEXTS:
+        a, b = base[1][name], fp8[1][name]
+        print(f"perplexity of the {name} text: {args.dtype} {a:.3f}, fp8 {b:.3f} ({b / a - 1:+.1%})")
     print(f"greedy agreement {sum(common) / (TOKENS * len(PROMPTS)):.1%} (tokens before the first difference)")
     print(f"wall {base[2]:.1f} s, fp8 {fp8[2]:.1f} s")
 

@@ -53,3 +53,31 @@ def test_chat_template_from_gguf(default_llm):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert {151645, 151643} <= default_llm.llm_engine.eos_token_ids
+
+
+def test_fp8_weights_stay_near_bf16(default_llm):
+    """quantization="fp8" on the default model against bf16 (benchmarks/fp8_accuracy.py's prompts and
+    texts, figures in benchmarks/README.md): the perplexity of the code text within 3% (measured
+    +0.3%), and greedy agreement (tokens before the first difference, 20 prompts x 32) over half
+    (measured 65.8%; a scale on the wrong rows gives next to none)."""
+    import importlib.util
+    import os
+
+    from picovllm import LLM, SamplingParams
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fp8_accuracy.py")
+    spec = importlib.util.spec_from_file_location("fp8_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fp8 = LLM(device="cpu", dtype="bfloat16", max_model_len=512, quantization="fp8")
+    code = bench.TEXTS["code"]
+    assert bench.perplexity(fp8, code) < 1.03 * bench.perplexity(default_llm, code)
+    greedy = SamplingParams(temperature=0, max_tokens=bench.TOKENS, ignore_eos=True)
+    a, b = (llm.generate(bench.PROMPTS, greedy, use_tqdm=False) for llm in (default_llm, fp8))
+    common = [
+        next(
+            (i for i, (x, y) in enumerate(zip(p.outputs[0].token_ids, q.outputs[0].token_ids)) if x != y), bench.TOKENS
+        )
+        for p, q in zip(a, b)
+    ]
+    assert sum(common) > 0.5 * bench.TOKENS * len(bench.PROMPTS)
