@@ -11,6 +11,13 @@ import torch.distributed as dist
 from picovllm.distributed.parallel_state import get_tp_group, get_tp_rank, get_tp_size
 
 
+def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """x, in place, the elementwise largest over the group's ranks (nothing with one rank)."""
+    if get_tp_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=get_tp_group())
+    return x
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the ranks, in place."""
     if get_tp_size() > 1:

@@ -20,10 +20,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(weight: torch.Tensor, row_max=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, fp32 scale per row): each row scaled so that its largest magnitude is e4m3's
-    largest, then rounded to nearest; an all-zero row gets a tiny scale and zeros."""
+    largest, then rounded to nearest; an all-zero row gets a tiny scale and zeros. row_max: what
+    makes the rows' largest magnitudes the whole rows' when this is a slice of their columns (a
+    row-parallel shard: tp_all_reduce_max)."""
     amax = weight.abs().amax(dim=1).float().clamp(min=torch.finfo(torch.float32).tiny)
+    if row_max is not None:
+        amax = row_max(amax)
     scale = amax / FP8_MAX
     return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -35,13 +39,16 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 def quantize_linear_weights(model: nn.Module) -> int:
     """Every linear layer's weight (model/layers/linear.py LinearBase: QKV, o, gate_up, down) in
-    e4m3 with its per-row scale, in place; returns how many layers. Under tensor parallelism each
-    rank quantizes the rows it holds (a row-parallel layer's scale covers its own slice of K)."""
+    e4m3 with its per-row scale, in place; returns how many layers. Under tensor parallelism the
+    scales are those of the whole rows (a row-parallel layer's ranks agree on each row's largest
+    magnitude), so that every rank holds its slice of what one rank would: the same model at any
+    tensor-parallel size."""
+    from picovllm.distributed.communicator import tp_all_reduce_max
     from picovllm.model.layers.linear import LinearBase
 
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     for m in layers:
-        q, scale = quantize_fp8(m.weight.detach())
+        q, scale = quantize_fp8(m.weight.detach(), tp_all_reduce_max if m.tp_dim == 1 else None)
         m.weight = nn.Parameter(q, requires_grad=False)
         m.weight_scale = nn.Parameter(scale, requires_grad=False)
     return len(layers)
