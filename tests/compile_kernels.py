@@ -1,16 +1,14 @@
 """Compile every Triton kernel ahead of time for Hopper (sm_90) without a GPU, with programmatic
 dependent launch on (the interpreter runs them with it off); prints 'ok' per kernel. Used by
 tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
-
 import sys
 
 from picovllm.kernels import decode_attention, gemv, kv_store, prefill_attention, rms_norm, silu_mul
 from picovllm.kernels.triton_utils import triton
 
 
-def compile_sm90(
-    fn, pointers: dict, constexprs: dict, floats=("scale", "eps"), divisible=(), num_warps: int = 4, num_stages: int = 3
-):
+def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps"), divisible=(), num_warps: int = 4,
+                 num_stages: int = 3):
     """Compile a kernel ahead of time for Hopper (sm_90), no GPU needed (here, and
     benchmarks/kernels/kernel_sass.py). pointers: argument name -> Triton pointer type ("*bf16"); every
     other argument not in constexprs is an i32 (fp32 if in floats); those in divisible are
@@ -18,148 +16,49 @@ def compile_sm90(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {
-        name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
-        for name in fn.arg_names
-    }
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(fn.arg_names)
-        if (name in divisible or name in pointers) and name not in constexprs
-    }
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+                 for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if (name in divisible or name in pointers) and name not in constexprs}
     constants = {(i,): constexprs[name] for i, name in enumerate(fn.arg_names) if name in constexprs}
-    return triton.compile(
-        ASTSource(fn, signature, constants, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
-    )
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def main(dt: str) -> None:
     p = f"*{dt}"
-    ptrs = {
-        n: p
-        for n in (
-            "q",
-            "k",
-            "v",
-            "q_out",
-            "k_cache",
-            "v_cache",
-            "out",
-            "x",
-            "weight",
-            "gate_up",
-            "cos",
-            "sin",
-            "bias",
-            "norm_weight",
-            "residual",
-        )
-    }
-    ptrs.update(
-        weight_scale="*fp32",
-        block_tables="*i64",
-        context_lens="*i64",
-        query_start_loc="*i64",
-        slot_mapping="*i64",
-        part_acc="*fp32",
-        part_m="*fp32",
-        part_l="*fp32",
-        part_ml="*fp32",
-        work="*i64",
-    )
+    ptrs = {n: p for n in ("q", "k", "v", "q_out", "k_cache", "v_cache", "out", "x", "weight", "gate_up", "cos", "sin",
+                            "bias", "norm_weight", "residual")}
+    ptrs.update(block_tables="*i64", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
+                part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32", work="*i64", weight_scale="*fp32")
+    fp8 = {"weight": "*fp8e4nv"}  # (an FP8 weight's kernels: HAS_SCALE)
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
-        *[
-            (
-                prefill_attention._prefill_kernel,
-                dict(
-                    BLOCK_SIZE=16,
-                    HEAD_DIM=128,
-                    BLOCK_M=64,
-                    BLOCK_N=64,
-                    BLOCK_D=128,
-                    PRECISION=precision,
-                    SPLITS=splits,
-                    MIN_PART=128,
-                ),
-            )
-            for splits in (1, 16)
-        ],
-        (
-            prefill_attention._prefill_merge_kernel,
-            dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16),
-        ),
-        *[
-            (
-                decode_attention._decode_partition_kernel,
-                dict(
-                    BLOCK_SIZE=16,
-                    HEAD_DIM=128,
-                    SPLITS=splits,
-                    BLOCK_N=32,
-                    BLOCK_G=16,
-                    BLOCK_D=128,
-                    PRECISION=precision,
-                    MIXED=mixed,
-                ),
-            )
-            for splits in (1, 16)
-            for mixed in (False, True)
-        ],
-        *[
-            (decode_attention._decode_merge_kernel, dict(HEAD_DIM=128, SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
-            for mixed in (False, True)
-        ],
+        *[(prefill_attention._prefill_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
+                                                   PRECISION=precision, SPLITS=splits, MIN_PART=128))
+          for splits in (1, 16)],
+        (prefill_attention._prefill_merge_kernel,
+         dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
+        *[(decode_attention._decode_partition_kernel,
+           dict(BLOCK_SIZE=16, HEAD_DIM=128, SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision,
+                MIXED=mixed))
+          for splits in (1, 16) for mixed in (False, True)],
+        *[(decode_attention._decode_merge_kernel, dict(HEAD_DIM=128, SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
+          for mixed in (False, True)],
         (kv_store._rope_store_kernel, dict(BLOCK_SIZE=16, BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
-        *[
-            (
-                gemv._gemv_kernel,
-                dict(
-                    HAS_BIAS=True,
-                    HAS_NORM=True,
-                    HAS_RESIDUAL=True,
-                    SILU_MUL=True,
-                    HAS_SCALE=fp8,
-                    BLOCK_M=8,
-                    BLOCK_N=4,
-                    BLOCK_K=256,
-                    ONE_TILE=one_tile,
-                ),
-                fp8,
-            )
-            for one_tile in (False, True)
-            for fp8 in (False, True)
-        ],
-        *[
-            (
-                gemv._qkv_rope_store_kernel,
-                dict(
-                    HALF=64,
-                    BLOCK_SIZE=16,
-                    HAS_BIAS=True,
-                    HAS_SCALE=fp8,
-                    BLOCK_M=1,
-                    BLOCK_N=2,
-                    BLOCK_K=2048,
-                    ONE_TILE=one_tile,
-                ),
-                fp8,
-            )
-            for one_tile in (False, True)
-            for fp8 in (False, True)
-        ],
+        *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, HAS_SCALE=scale,
+                                   BLOCK_M=8, BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile), fp8 if scale else {})
+          for one_tile in (False, True) for scale in (False, True)],
+        *[(gemv._qkv_rope_store_kernel, dict(HALF=64, BLOCK_SIZE=16, HAS_BIAS=True, HAS_SCALE=scale, BLOCK_M=1,
+                                             BLOCK_N=2, BLOCK_K=2048, ONE_TILE=one_tile), fp8 if scale else {})
+          for one_tile in (False, True) for scale in (False, True)],
     ]
-    for (
-        fn,
-        constexprs,
-        *fp8,
-    ) in kernels:  # with programmatic dependent launch (the default on sm_90): its wait compiled in
-        pointers = {**ptrs, "weight": "*fp8e4nv", "weight_scale": "*fp32"} if fp8 and fp8[0] else ptrs
-        ptx = compile_sm90(fn, pointers, {**constexprs, "USE_PDL": True}).asm["ptx"]
+    # with programmatic dependent launch (the default on sm_90): its wait compiled in; an entry's third
+    # element, if any: pointer types of its own
+    for fn, constexprs, *own in kernels:
+        ptx = compile_sm90(fn, {**ptrs, **dict(*own)}, {**constexprs, "USE_PDL": True}).asm["ptx"]
         assert "griddepcontrol.wait" in ptx
         divisions = [op for op in ("div.s64", "rem.s64", "div.u64", "rem.u64") if op in ptx]
         print("ok", fn.__name__, " ".join(divisions), flush=True)
