@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from picovllm.kernels.kv_store import rope_and_store_ref
+from picovllm.kernels.kv_store import rope_and_store_ref, rotate_pair
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
@@ -149,8 +149,9 @@ def _gemv_kernel(
     scale, scale_up = _row_scales(weight_scale, n, n + up_offset, nmask, HAS_SCALE, SILU_MUL, BLOCK_N)
     acc, acc_up = _products(x, weight, norm_weight, m, mmask, n, n + up_offset, nmask, K, s_xm, s_xk, s_wn, s_wk,
                             eps, dt, HAS_NORM, SILU_MUL, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
-    acc *= scale[None, :]
-    acc_up *= scale_up[None, :]
+    if HAS_SCALE:
+        acc *= scale[None, :]
+        acc_up *= scale_up[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
@@ -248,13 +249,17 @@ def _qkv_rope_store_kernel(
     scale1, scale2 = _row_scales(weight_scale, first, first + HALF, nmask, HAS_SCALE, True, BLOCK_N)
     acc1, acc2 = _products(x, weight, norm_weight, m, mmask, first, first + HALF, nmask, K, s_xm, s_xk, s_wn, s_wk,
                            eps, dt, True, True, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
-    acc1 = acc1 * scale1[None, :] + b1[None, :]
-    acc2 = acc2 * scale2[None, :] + b2[None, :]
+    if HAS_SCALE:
+        acc1 *= scale1[None, :]
+        acc2 *= scale2[None, :]
+    acc1 += b1[None, :]
+    acc2 += b2[None, :]
     y1 = acc1.to(dt).to(tl.float32)  # (the projection's output, rounded as the reference's)
     y2 = acc2.to(dt).to(tl.float32)
+    r1, r2 = rotate_pair(y1, y2, c, s, dt)
     rotated = (head < num_heads + num_kv_heads)[None, :]  # (values are not rotated)
-    o1 = tl.where(rotated, (y1 * c).to(dt).to(tl.float32) - (y2 * s).to(dt).to(tl.float32), y1).to(dt)
-    o2 = tl.where(rotated, (y2 * c).to(dt).to(tl.float32) + (y1 * s).to(dt).to(tl.float32), y2).to(dt)
+    o1 = tl.where(rotated, r1, y1.to(dt))
+    o2 = tl.where(rotated, r2, y2.to(dt))
     qmask = cmask & (head < num_heads)[None, :]
     qdst = q_out + m[:, None] * s_qm + head[None, :] * s_qh + i[None, :]
     tl.store(qdst, o1, mask=qmask)

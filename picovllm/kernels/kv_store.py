@@ -32,15 +32,20 @@ def rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> tor
 
 
 @triton.jit
-def _rotate(x, t, h, d, s_xt, s_xh, s_xd, c, s, mask, half):
-    """Rotated halves of heads h of token t; each product rounded to the model dtype before the
-    sum, as the reference computes it."""
-    dt = x.dtype.element_ty
-    x1 = tl.load(x + t * s_xt + h * s_xh + d * s_xd, mask=mask).to(tl.float32)
-    x2 = tl.load(x + t * s_xt + h * s_xh + (d + half) * s_xd, mask=mask).to(tl.float32)
+def rotate_pair(x1, x2, c, s, dt):
+    """RoPE of the halves x1, x2 (fp32) by cos c and sin s, in dt; each product rounded to dt
+    before the sum, as the reference computes it. (Also the QKV GEMV's epilogue: kernels/gemv.py.)"""
     o1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
     return o1, o2
+
+
+@triton.jit
+def _rotate(x, t, h, d, s_xt, s_xh, s_xd, c, s, mask, half):
+    """Rotated halves of heads h of token t."""
+    x1 = tl.load(x + t * s_xt + h * s_xh + d * s_xd, mask=mask).to(tl.float32)
+    x2 = tl.load(x + t * s_xt + h * s_xh + (d + half) * s_xd, mask=mask).to(tl.float32)
+    return rotate_pair(x1, x2, c, s, x.dtype.element_ty)
 
 
 @triton.jit
