@@ -66,7 +66,9 @@ class OutputProcessor:
         gives it, once its matcher has taken the token (structured_output.accept_tokens)."""
         if out is None:
             return []
-        logprob_rows = self._logprob_rows(out) if out.sampled_logprobs is not None else None
+        logprob_rows = None
+        if out.sampled_logprobs is not None:
+            logprob_rows = self._logprob_rows(out.sampled_logprobs, out.sampled_ranks, out.top_ids, out.top_logprobs)
         changed: dict[str, None] = {}
         now = time.time()
         for i, (req, token) in enumerate(zip(reqs, tokens)):
@@ -121,9 +123,7 @@ class OutputProcessor:
         """A step's prompt log-probabilities (StepLauncher's LaunchedStep.prompt_rows, in the order of
         out's prompt_* rows): token p of the step's first count of a request predicts prompt token
         p + 1. Positions a request already has (computed again after a preemption) are kept."""
-        rows = {"chosen": out.prompt_logprobs.tolist(), "rank": out.prompt_ranks.tolist()}
-        if out.prompt_top_ids is not None:
-            rows["top_ids"], rows["top_logprobs"] = out.prompt_top_ids.tolist(), out.prompt_top_logprobs.tolist()
+        rows = self._logprob_rows(out.prompt_logprobs, out.prompt_ranks, out.prompt_top_ids, out.prompt_top_logprobs)
         i = 0
         for req, start, count in prompt_rows:
             for p in range(start + 1, start + 1 + count):
@@ -134,10 +134,11 @@ class OutputProcessor:
                 i += 1
 
     @staticmethod
-    def _logprob_rows(out: SamplerOutput) -> dict[str, list]:
-        rows = {"chosen": out.sampled_logprobs.tolist(), "rank": out.sampled_ranks.tolist()}
-        if out.top_ids is not None:
-            rows["top_ids"], rows["top_logprobs"] = out.top_ids.tolist(), out.top_logprobs.tolist()
+    def _logprob_rows(chosen, ranks, top_ids, top_logprobs) -> dict[str, list]:
+        """A step's logprob tensors (sampled or prompt tokens', SamplerOutput's) as lists."""
+        rows = {"chosen": chosen.tolist(), "rank": ranks.tolist()}
+        if top_ids is not None:
+            rows["top_ids"], rows["top_logprobs"] = top_ids.tolist(), top_logprobs.tolist()
         return rows
 
     def _logprob_dict(self, rows: dict[str, list], i: int, token: int, k: int) -> dict[int, Logprob]:
@@ -173,7 +174,7 @@ class OutputProcessor:
         prompt_logprobs = None  # (once whole; a DELTA stream has them in one output)
         if first.prompt_logprobs is not None and not first.needs_prompt_logprobs and not group.prompt_logprobs_sent:
             prompt_logprobs, group.prompt_logprobs_sent = first.prompt_logprobs, delta
-        num_cached = group.children[0].num_prompt_cached_tokens or 0
+        num_cached = first.num_prompt_cached_tokens or 0
         metrics = {"arrival_time": group.arrival_time}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time

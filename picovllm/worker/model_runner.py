@@ -26,7 +26,7 @@ from picovllm.model.layers.linear import pack_weights
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.worker.inputs import ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
-from picovllm.worker.sampler import Sampler, SamplingTensors, pinned_to
+from picovllm.worker.sampler import Sampler, SamplingTensors, pinned_to, token_logprobs
 
 logger = logging.getLogger("picovllm")
 
@@ -288,11 +288,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.from_numpy(rows[i : i + PROMPT_ROWS]).to(self.device)])
             if logits is None:
                 continue
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            chosen = logprobs.gather(1, targets[i : i + PROMPT_ROWS, None]).squeeze(1)
-            ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
-            top = logprobs.topk(k, dim=-1) if k else None
-            parts.append((chosen, ranks, top.values if top else None, top.indices if top else None))
+            part = token_logprobs(targets[i : i + PROMPT_ROWS], torch.log_softmax(logits.float(), dim=-1), k)
+            parts.append((part.sampled_logprobs, part.sampled_ranks, part.top_logprobs, part.top_ids))
         if not parts:
             return None
         return tuple(torch.cat(column) if column[0] is not None else None for column in zip(*parts))

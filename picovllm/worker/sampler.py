@@ -178,11 +178,13 @@ class Sampler:
         return (
             SamplerOutput(sampled, None, None, None, None)
             if raw_logprobs is None
-            else _with_logprobs(sampled, raw_logprobs, t.max_logprobs)
+            else token_logprobs(sampled, raw_logprobs, t.max_logprobs)
         )
 
 
-def _with_logprobs(sampled: torch.Tensor, raw: torch.Tensor, k: int) -> SamplerOutput:
+def token_logprobs(sampled: torch.Tensor, raw: torch.Tensor, k: int) -> SamplerOutput:
+    """The tokens `sampled` (one per row) with their log-probabilities under raw (log-softmaxed
+    logits), their ranks, and each row's top k (k 0: none). Also prompt tokens' (ModelRunner)."""
     chosen = raw.gather(1, sampled[:, None])
     ranks = (raw > chosen).sum(dim=-1) + 1
     top = raw.topk(k, dim=-1) if k else None
