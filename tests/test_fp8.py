@@ -34,19 +34,38 @@ def test_quantize_fp8_bounds_each_weights_error_by_its_rows_scale():
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _rewritten(path: str, out: str, change, config=None) -> None:
+    """A copy at out of the checkpoint at path, its tensors (name -> tensor) changed in place by
+    change, and its config.json by config (a function of the dict, if given)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    change(tensors)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    if config is not None:
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        config(cfg)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f)
+
+
+def _projections(tensors: dict) -> list[str]:
+    return [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]
+
+
 def _dequantized_copy(path: str, out: str) -> None:
     """The checkpoint at path with each projection's weight replaced by what its FP8 quantization
     stands for (quantized per row, then dequantized, in fp32): what an FP8 engine computes with,
     in a form the unquantized engine loads. (Per row, the fused layers' quantization is the
     checkpoint tensors': a fused row is one of theirs.)"""
-    from safetensors.torch import load_file, save_file
 
-    shutil.copytree(path, out)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    for name, t in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
-            tensors[name] = dequantize_fp8(*quantize_fp8(t), torch.float32).to(t.dtype)
-    save_file(tensors, os.path.join(out, "model.safetensors"))
+    def change(tensors):
+        for name in _projections(tensors):
+            tensors[name] = dequantize_fp8(*quantize_fp8(tensors[name]), torch.float32).to(tensors[name].dtype)
+
+    _rewritten(path, out, change)
 
 
 @pytest.mark.parametrize("model", ["tiny_qwen", "tiny_llama"])
@@ -87,12 +106,9 @@ def _fp8_checkpoint(path: str, out: str, per_tensor: bool) -> None:
     """The checkpoint at path as an FP8 one, in the format vLLM and llm-compressor write: each
     projection's weight in e4m3 with `weight_scale` (one per tensor, or one per row as [rows, 1]),
     a static `input_scale` beside it, config.json's quantization_config saying so."""
-    from safetensors.torch import load_file, save_file
 
-    shutil.copytree(path, out)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    for name in list(tensors):
-        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
+    def change(tensors):
+        for name in _projections(tensors):
             w = tensors[name]
             if per_tensor:  # (one scale: the tensor's largest magnitude at e4m3's largest)
                 scale = (w.abs().max().float() / FP8_MAX).reshape(())
@@ -102,12 +118,11 @@ def _fp8_checkpoint(path: str, out: str, per_tensor: bool) -> None:
                 scale = scale[:, None]
             tensors[name.removesuffix("weight") + "weight_scale"] = scale
             tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.01)
-    save_file(tensors, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
+
+    def config(cfg):
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+
+    _rewritten(path, out, change, config)
 
 
 @pytest.mark.parametrize("per_tensor", [False, True])
@@ -120,19 +135,15 @@ def test_an_fp8_checkpoint_loads_as_it_is(tiny_qwen, tmp_path, per_tensor):
 
     ckpt = str(tmp_path / "fp8")
     _fp8_checkpoint(tiny_qwen[0], ckpt, per_tensor)
-    from safetensors.torch import load_file, save_file
 
-    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    shutil.copytree(ckpt, tmp_path / "dequantized")
-    for name in [n for n in tensors if n.endswith("weight_scale")]:
-        weight = name.removesuffix("_scale")
-        scale = tensors.pop(name).float().reshape(-1).expand(tensors[weight].shape[0])
-        tensors[weight] = dequantize_fp8(tensors[weight], scale, torch.float32)
-        tensors.pop(weight.removesuffix("weight") + "input_scale")
-    save_file(tensors, str(tmp_path / "dequantized" / "model.safetensors"))
-    cfg = json.loads((tmp_path / "dequantized" / "config.json").read_text())
-    del cfg["quantization_config"]
-    (tmp_path / "dequantized" / "config.json").write_text(json.dumps(cfg))
+    def dequantize(tensors):  # (the FP8 checkpoint's weights as the unquantized engine loads them)
+        for name in [n for n in tensors if n.endswith("weight_scale")]:
+            weight = name.removesuffix("_scale")
+            scale = tensors.pop(name).float().reshape(-1).expand(tensors[weight].shape[0])
+            tensors[weight] = dequantize_fp8(tensors[weight], scale, torch.float32)
+            tensors.pop(weight.removesuffix("weight") + "input_scale")
+
+    _rewritten(ckpt, str(tmp_path / "dequantized"), dequantize, lambda cfg: cfg.pop("quantization_config"))
 
     prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + 4 + 5 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
