@@ -31,6 +31,8 @@ def tiny_llama(tmp_path_factory):
 # engine tests that compare engines with each other, not with transformers, in bf16 too).
 TEST_DEVICE = os.environ.get("PICOVLLM_TEST_DEVICE", "cpu")
 TEST_DTYPE = os.environ.get("PICOVLLM_TEST_DTYPE", "float32")
+# a test whose reference is transformers' (or the unquantized engine's) fp32, to fp32's rounding
+FP32_ONLY = pytest.mark.skipif(TEST_DTYPE != "float32", reason="exact to fp32's rounding: PICOVLLM_TEST_DTYPE=float32")
 
 
 def engine_args(path: str, **kwargs) -> dict:
