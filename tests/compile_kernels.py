@@ -3,7 +3,7 @@ dependent launch on (the interpreter runs them with it off); prints 'ok' per ker
 tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
 import sys
 
-from picovllm.kernels import decode_attention, gemv, kv_store, prefill_attention, rms_norm, silu_mul
+from picovllm.kernels import decode_attention, fp8_gemm, gemv, kv_store, prefill_attention, rms_norm, silu_mul
 from picovllm.kernels.triton_utils import triton
 
 
@@ -54,6 +54,10 @@ def main(dt: str) -> None:
         *[(gemv._qkv_rope_store_kernel, dict(HALF=64, BLOCK_SIZE=16, HAS_BIAS=True, HAS_SCALE=scale, BLOCK_M=1,
                                              BLOCK_N=2, BLOCK_K=2048, ONE_TILE=one_tile), fp8 if scale else {})
           for one_tile in (False, True) for scale in (False, True)],
+        (fp8_gemm._per_token_fp8_kernel, dict(BLOCK_K=2048),
+         {"out": "*fp8e4nv", "scale": "*fp32"}),
+        (fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128),
+         {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32"}),
     ]
     # with programmatic dependent launch (the default on sm_90): its wait compiled in; an entry's third
     # element, if any: pointer types of its own

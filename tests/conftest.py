@@ -7,6 +7,31 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _round_fp8_as_the_gpu_does() -> None:
+    """Triton's interpreter (3.7) rounds fp32 to e4m3 wrongly: a carry out of the mantissa is lost
+    when the exponent's lowest bit is set (126.8 becomes 64, not 128), and ties round up. Its
+    fp32 -> e4m3 casts here round as the GPU's do (to nearest even, as torch's cast)."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    convert = interpreter._convert_float
+
+    def fixed(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+            values = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = fixed
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _round_fp8_as_the_gpu_does()
+
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -221,6 +221,74 @@ def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
     assert num_splits(1, 8) == 32 and num_splits(4, 8) == 16
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_token_fp8(dtype):
+    """Activations to e4m3 with a scale per row (kernels/fp8_gemm.py): each row's scale is its
+    largest magnitude over e4m3's largest (an all-zero row's the floor), its values x / scale
+    rounded to nearest even, as the reference's. (In the interpreter with tests/conftest.py's
+    repair of its fp8 rounding.)"""
+    from picovllm.kernels.fp8_gemm import MIN_SCALE, per_token_fp8_ref, per_token_fp8_triton
+    from picovllm.model.layers.fp8 import FP8
+
+    g = torch.Generator().manual_seed(3)
+    rows, k = 6, 1000
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 2, rows)[:, None]
+    x[2] = 0.0
+    x = x.to(dtype).to(DEV)
+    q, scale = per_token_fp8_triton(x)
+    q_ref, scale_ref = per_token_fp8_ref(x)
+    assert q.dtype == FP8 and scale.shape == (rows, 1)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    assert scale[2].item() == torch.tensor(MIN_SCALE).item() and not q[2].float().any()
+    assert torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fusion", ["plain", "bias", "residual"])
+def test_fp8_gemm(dtype, fusion):
+    """An FP8 weight at more rows (kernels/fp8_gemm.py): e4m3 activations with a scale per token,
+    tokens of a tile's awkward share (M = 37 in 16-row tiles, N and K not multiples of the tiles),
+    against the reference; tokens and rows of very different magnitudes, so that a scale applied
+    to the wrong one shows."""
+    from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_ref
+    from picovllm.model.layers.fp8 import quantize_fp8
+
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 37, 70, 300
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m)[:, None]).to(dtype).to(DEV)
+    w = torch.randn(n, k, generator=g) / k**0.5 * torch.logspace(-2, 1, n)[torch.randperm(n, generator=g), None]
+    wq, w_scale = quantize_fp8(w.to(dtype).to(DEV))
+    a, a_scale = per_token_fp8_ref(x)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if fusion == "bias" else None
+    residual = torch.randn(m, n, generator=g).to(dtype).to(DEV) if fusion == "residual" else None
+    expect = fp8_gemm_ref(a, a_scale, wq, w_scale, bias, residual, dtype)
+    got = fp8_gemm_triton(
+        a, a_scale, wq, w_scale, bias, residual, dtype, config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
+    )
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(
+        got.float(), expect.float(), atol=TOL[dtype] * expect.abs().max().item(), rtol=TOL[dtype]
+    )
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="cuBLAS's FP8 GEMM: the GPU's")
+@pytest.mark.parametrize("rows", [9, 300])
+def test_fp8_linear_on_both_gemms(rows):
+    """fp8_linear in bf16 at decode's rows (our GEMM) and a prompt's (cuBLAS's torch._scaled_mm):
+    the same as the reference on the activations quantized per token, bias and residual added."""
+    from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_linear, per_token_fp8_ref
+    from picovllm.model.layers.fp8 import quantize_fp8
+
+    g = torch.Generator().manual_seed(12)
+    dtype, n, k = torch.bfloat16, 256, 512
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEV)
+    wq, w_scale = quantize_fp8((torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV))
+    bias, residual = torch.randn(n, generator=g).to(dtype).to(DEV), torch.randn(rows, n, generator=g).to(dtype).to(DEV)
+    expect = fp8_gemm_ref(*per_token_fp8_ref(x), wq, w_scale, bias, residual, dtype)
+    got = fp8_linear(x, wq, w_scale, bias, residual.clone())
+    torch.testing.assert_close(got.float(), expect.float(), atol=2e-2 * expect.abs().max().item(), rtol=2e-2)
+
+
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU every kernel runs for real (and this takes 100 s there)")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_kernels_compile_for_hopper(dtype):

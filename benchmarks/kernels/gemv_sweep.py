@@ -7,12 +7,13 @@ Usage: PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py [ROWS ...]  (default
        PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py projections
          one row at the default tiles: each projection 28 times in a row (each its own weights,
          graphed under PDL), its time per call and bandwidth; the LM head alone; a copy's bandwidth
-       PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py chain
+       PYTHONPATH=. python benchmarks/kernels/gemv_sweep.py chain [fp8]
          one row, as the model runs it: a batch-1 step's 113 GEMVs (28 layers x qkv with norm and bias,
          o with residual, gate_up with norm and SiLU*mul, down with residual; the LM head with norm),
          each layer its own weights, replayed from one CUDA graph (with programmatic dependent launch,
          as in the engine); for each projection in turn, every candidate tile
-         with the others at their defaults; then the best of each together."""
+         with the others at their defaults; then the best of each together. fp8: the four
+         projections' weights in e4m3 with a scale per row (quantization="fp8"; the LM head stays bf16)."""
 
 import itertools
 import sys
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from picovllm.kernels.gemv import gemv_config, gemv_triton
+from picovllm.model.layers.fp8 import quantize_fp8
 
 SHAPES = {
     "qkv": (2048, 1536),
@@ -96,24 +98,31 @@ def main(row_counts: list[int]) -> None:
 CHAIN_LAYERS = 28
 
 
-def chain(reps: int = 20, rounds: int = 5) -> None:
+def chain(fp8: bool = False, reps: int = 20, rounds: int = 5) -> None:
     dev, dt = "cuda", torch.bfloat16
     hidden, eps = 1536, 1e-6
     layers = [
         {name: torch.randn(*SHAPES[name], device=dev, dtype=dt) * 0.02 for name in ("qkv", "o", "gate_up", "down")}
         for _ in range(CHAIN_LAYERS)
     ]
+    scales = [dict.fromkeys(w) for w in layers]
+    if fp8:
+        for w, s in zip(layers, scales):
+            for name in w:
+                w[name], s[name] = quantize_fp8(w[name])
     lm_head = torch.randn(*SHAPES["lm_head"], device=dev, dtype=dt) * 0.02
     qkv_bias, norm_w = torch.randn(2048, device=dev, dtype=dt), torch.ones(hidden, device=dev, dtype=dt)
     h = torch.randn(1, hidden, device=dev, dtype=dt)
     attn, act = torch.randn(1, 1536, device=dev, dtype=dt), torch.randn(1, 8960, device=dev, dtype=dt)
 
     def step(cfgs: dict) -> None:
-        for w in layers:  # (data flow does not matter for the timing: each kernel waits for the one before)
-            gemv_triton(h, w["qkv"], qkv_bias, norm_w, eps, config=cfgs.get("qkv"))
-            gemv_triton(attn, w["o"], residual=h, config=cfgs.get("o"))
-            gemv_triton(h, w["gate_up"], None, norm_w, eps, silu_mul=True, config=cfgs.get("gate_up"))
-            gemv_triton(act, w["down"], residual=h, config=cfgs.get("down"))
+        for w, s in zip(layers, scales):  # (data flow does not matter: each kernel waits for the one before)
+            gemv_triton(h, w["qkv"], qkv_bias, norm_w, eps, weight_scale=s["qkv"], config=cfgs.get("qkv"))
+            gemv_triton(attn, w["o"], residual=h, weight_scale=s["o"], config=cfgs.get("o"))
+            gemv_triton(
+                h, w["gate_up"], None, norm_w, eps, silu_mul=True, weight_scale=s["gate_up"], config=cfgs.get("gate_up")
+            )
+            gemv_triton(act, w["down"], residual=h, weight_scale=s["down"], config=cfgs.get("down"))
         gemv_triton(h, lm_head, None, norm_w, eps, config=cfgs.get("lm_head"))
 
     def timed(cfgs: dict) -> float:
@@ -123,16 +132,25 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
     def candidates(name: str):
         k = SHAPES[name][1]
         widths = (1, 2, 4, 8) if k > 2048 else (4, 8, 16, 32) if name == "lm_head" else (1, 2, 4, 8, 16)
-        for bn, bk, warps in itertools.product(widths, (2048, 4096, 8192), (1, 2, 4, 8, 16)):
+        if fp8 and name != "lm_head":
+            widths = (2, 4, 8, 16) if k > 2048 else (2, 4, 8, 16, 32)
+        warp_counts = (1, 2, 4, 8) if fp8 and k <= 2048 else (4, 8, 16) if fp8 else (1, 2, 4, 8, 16)
+        for bn, bk, warps in itertools.product(widths, (2048, 4096, 8192), warp_counts):
             rows_loaded = 2 * bn if name == "gate_up" else bn
-            if rows_loaded * bk > 32768 or (k <= 2048 and bk > 2048) or (k > 2048 and warps < 2):
+            budget = 65536 if fp8 and name != "lm_head" else 32768  # (elements a program loads: bytes for fp8)
+            if rows_loaded * bk > budget or (k <= 2048 and bk > 2048) or (k > 2048 and warps < 2):
                 continue
             yield dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
 
     base = timed({})
     defaults = {
         p: gemv_config(
-            1, n // 2 if p == "gate_up" else n, k, norm=p in ("qkv", "gate_up", "lm_head"), silu_mul=p == "gate_up"
+            1,
+            n // 2 if p == "gate_up" else n,
+            k,
+            norm=p in ("qkv", "gate_up", "lm_head"),
+            silu_mul=p == "gate_up",
+            fp8=fp8 and p != "lm_head",
         )
         for p, (n, k) in SHAPES.items()
     }
@@ -142,6 +160,8 @@ def chain(reps: int = 20, rounds: int = 5) -> None:
     )
     best = {}
     for name in SHAPES:
+        if fp8 and name == "lm_head":  # (bf16 as without fp8)
+            continue
         results = []
         for cfg in candidates(name):
             try:
@@ -180,8 +200,8 @@ def projections() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["chain"]:
-        chain()
+    if sys.argv[1:2] == ["chain"]:
+        chain(fp8=sys.argv[2:] == ["fp8"])
     elif sys.argv[1:] == ["projections"]:
         projections()
     else:

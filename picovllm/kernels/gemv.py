@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_row_scale, per_token_fp8_ref, to_fp8
 from picovllm.kernels.kv_store import rope_and_store_ref, rotate_pair
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
-from picovllm.model.layers.fp8 import dequantize_fp8
 
 MAX_ROWS = 16  # rows in one program (registers); the model uses one
 
@@ -34,12 +34,14 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      residual: torch.Tensor | None = None, silu_mul: bool = False,
                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What gemv_triton computes, op by op. weight: [N, K], or [2I, K] for silu_mul (gate rows,
-    then up rows); with weight_scale, an FP8 weight and its scale per row (model/layers/fp8.py)."""
-    if weight_scale is not None:
-        weight = dequantize_fp8(weight, weight_scale, x.dtype)
+    then up rows); with weight_scale, an FP8 weight and its scale per row (model/layers/fp8.py),
+    the (normed) input quantized per row as kernels/fp8_gemm.py quantizes it."""
     if norm_weight is not None:
         x = rms_norm_ref(x, norm_weight, eps)
-    y = F.linear(x, weight, bias)
+    if weight_scale is not None:
+        y = fp8_gemm_ref(*per_token_fp8_ref(x), weight, weight_scale, bias, None, x.dtype)
+    else:
+        y = F.linear(x, weight, bias)
     if silu_mul:
         y = silu_mul_ref(y)
     return y if residual is None else residual + y
@@ -74,13 +76,16 @@ def _rows_times_tile(xv, w):
 
 @triton.jit
 def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_xk, s_wn, s_wk, eps, dt,
-              HAS_NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr):
+              HAS_NORM: tl.constexpr, TWO: tl.constexpr, FP8_X: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr):
     """rmsnorm(x[m]) (or x[m]) times weight rows `rows`, and with TWO rows `rows2`: two [BLOCK_M,
-    BLOCK_N] fp32 tiles. The kernel's wait for the previous one (PDL) is in here, after the first
-    weight loads."""
+    BLOCK_N] fp32 tiles, and the input rows' scales. With FP8_X the input rows are quantized to
+    e4m3 per row first (kernels/fp8_gemm.py's rounding; the sums are then to be scaled by the
+    rows' scales), else their scales are ones. The kernel's wait for the previous one (PDL) is in
+    here, after the first weight loads."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     if ONE_TILE:  # K <= BLOCK_K: weight loads are issued first, their latency hides the norm's
         k = tl.arange(0, BLOCK_K)
         kmask = k < K
@@ -91,6 +96,9 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
         if HAS_NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / K + eps)
             xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+        if FP8_X:
+            x_scale = fp8_row_scale(tl.max(tl.abs(xv), axis=1))
+            xv = to_fp8(xv, x_scale[:, None]).to(tl.float32)
         acc += _rows_times_tile(xv, w)
         if TWO:
             acc2 += _rows_times_tile(xv, w2)
@@ -107,6 +115,17 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
                              other=0.0).to(tl.float32)
                 sq += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+        if FP8_X:  # each row's scale, from a pass over the (normed) input
+            amax = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < K
+                xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
+                             other=0.0).to(tl.float32)
+                if HAS_NORM:
+                    xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+                amax = tl.maximum(amax, tl.abs(xv))
+            x_scale = fp8_row_scale(tl.max(amax, axis=1))
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
@@ -114,11 +133,13 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
                          other=0.0).to(tl.float32)
             if HAS_NORM:
                 xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+            if FP8_X:
+                xv = to_fp8(xv, x_scale[:, None]).to(tl.float32)
             acc += _rows_times_tile(xv, w)
             if TWO:
                 acc2 += _rows_times_tile(xv, w2)
             w, w2 = _weight_tiles(weight, rows, rows2, k + BLOCK_K, nmask, K, s_wn, s_wk, TWO)  # the next
-    return acc, acc2
+    return acc, acc2, x_scale
 
 
 @triton.jit
@@ -147,11 +168,12 @@ def _gemv_kernel(
     nmask = n < N
     mmask = m < M
     scale, scale_up = _row_scales(weight_scale, n, n + up_offset, nmask, HAS_SCALE, SILU_MUL, BLOCK_N)
-    acc, acc_up = _products(x, weight, norm_weight, m, mmask, n, n + up_offset, nmask, K, s_xm, s_xk, s_wn, s_wk,
-                            eps, dt, HAS_NORM, SILU_MUL, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
+    acc, acc_up, x_scale = _products(x, weight, norm_weight, m, mmask, n, n + up_offset, nmask, K, s_xm, s_xk, s_wn,
+                                     s_wk, eps, dt, HAS_NORM, SILU_MUL, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE,
+                                     USE_PDL)
     if HAS_SCALE:
-        acc *= scale[None, :]
-        acc_up *= scale_up[None, :]
+        acc *= x_scale[:, None] * scale[None, :]
+        acc_up *= x_scale[:, None] * scale_up[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
@@ -166,15 +188,24 @@ def _gemv_kernel(
     tl.store(out + m[:, None] * s_om + n[None, :], y, mask=omask)
 
 
-def gemv_config(rows: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) -> dict:
+def gemv_config(rows: int, n: int, k: int, norm: bool = False, silu_mul: bool = False, fp8: bool = False) -> dict:
     """Tiles and warps for `rows` rows of an [n, k] weight (n outputs: with silu_mul each program
-    reads 2 weight rows per output); norm: the RMSNorm is fused in. Swept on a Hopper GPU at one row
-    as the model runs them, a whole step's GEMVs graphed under programmatic dependent launch
-    (benchmarks/kernels/gemv_sweep.py chain). K in one tile (up to 2,048): with the norm fused,
-    4 weight rows per program on one warp (both reductions stay within the warp: no shared
-    memory, no barrier); without (the o projection), 8 rows on 2 warps. Deeper K (the down
-    projection): 4,096-wide tiles of 4 rows on 8 warps."""
+    reads 2 weight rows per output); norm: the RMSNorm is fused in; fp8: the weight in e4m3. Swept
+    on a Hopper GPU at one row as the model runs them, a whole step's GEMVs graphed under
+    programmatic dependent launch (benchmarks/kernels/gemv_sweep.py chain [fp8]). K in one tile (up
+    to 2,048): with the norm fused, 4 weight rows per program on one warp (both reductions stay
+    within the warp: no shared memory, no barrier); without (the o projection), 8 rows on 2 warps.
+    Deeper K (the down projection): 4,096-wide tiles of 4 rows on 8 warps. FP8 weights: fewer rows
+    a warp (a fused gate_up's 8 on 2 warps, the o projection's 4 on 4, the down projection's 2 in
+    2,048-wide tiles on 4)."""
     block_m = next_pow2(rows)
+    if fp8:
+        if k > 2048:
+            return dict(BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=2048, num_warps=4)
+        if norm:
+            return dict(BLOCK_M=block_m, BLOCK_N=4 if silu_mul else 2, BLOCK_K=max(16, next_pow2(k)),
+                        num_warps=2 if silu_mul else 1)
+        return dict(BLOCK_M=block_m, BLOCK_N=4, BLOCK_K=max(16, next_pow2(k)), num_warps=4)
     if k > 2048:
         return dict(BLOCK_M=block_m, BLOCK_N=4, BLOCK_K=4096, num_warps=8)
     if norm:
@@ -191,7 +222,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert not (silu_mul and bias is not None), "a fused gate_up has no bias"
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    cfg = {"num_warps": 4, **(config or gemv_config(rows, n, k, norm_weight is not None, silu_mul))}
+    cfg = {"num_warps": 4, **(config or gemv_config(rows, n, k, norm_weight is not None, silu_mul,
+                                                    weight_scale is not None))}
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x,
@@ -247,11 +279,11 @@ def _qkv_rope_store_kernel(
         b1 = tl.load(bias + first, mask=nmask, other=0.0).to(tl.float32)
         b2 = tl.load(bias + first + HALF, mask=nmask, other=0.0).to(tl.float32)
     scale1, scale2 = _row_scales(weight_scale, first, first + HALF, nmask, HAS_SCALE, True, BLOCK_N)
-    acc1, acc2 = _products(x, weight, norm_weight, m, mmask, first, first + HALF, nmask, K, s_xm, s_xk, s_wn, s_wk,
-                           eps, dt, True, True, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
+    acc1, acc2, x_scale = _products(x, weight, norm_weight, m, mmask, first, first + HALF, nmask, K, s_xm, s_xk, s_wn,
+                                    s_wk, eps, dt, True, True, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, USE_PDL)
     if HAS_SCALE:
-        acc1 *= scale1[None, :]
-        acc2 *= scale2[None, :]
+        acc1 *= x_scale[:, None] * scale1[None, :]
+        acc2 *= x_scale[:, None] * scale2[None, :]
     acc1 += b1[None, :]
     acc2 += b2[None, :]
     y1 = acc1.to(dt).to(tl.float32)  # (the projection's output, rounded as the reference's)
@@ -292,7 +324,7 @@ def qkv_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     half = cos.shape[-1]
     pairs = weight.shape[0] // 2
     q_out = torch.empty((rows, num_heads, 2 * half), dtype=x.dtype, device=x.device)
-    cfg = {"num_warps": 4, **(config or gemv_config(rows, pairs, k, norm=True, silu_mul=True))}
+    cfg = {"num_warps": 4, **(config or gemv_config(rows, pairs, k, True, True, weight_scale is not None))}
     _qkv_rope_store_kernel[(triton.cdiv(pairs, cfg["BLOCK_N"]),)](
         x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, norm_weight, cos,
         sin, slot_mapping, q_out, k_cache, v_cache,

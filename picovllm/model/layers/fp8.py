@@ -2,9 +2,10 @@
 load time to float8 e4m3 with one fp32 scale per output channel, weight = fp8 * scale[row].
 Embeddings, norms and the LM head stay in the model's dtype, as vLLM keeps them.
 
-A quantized layer holds `weight` in e4m3 and `weight_scale` [out]. The GEMV at one row on the GPU
-reads the FP8 bytes and scales its sums (kernels/gemv.py); every other path dequantizes the
-weight to the activations' dtype for the GEMM (model/layers/linear.py).
+A quantized layer holds `weight` in e4m3 and `weight_scale` [out]. Its input is quantized to e4m3
+per token (vLLM's W8A8 with dynamic per-token activation scales), and the products' sums scaled
+by both scales: on the GPU the GEMV at one row (kernels/gemv.py, the row quantized in registers)
+and the FP8 GEMM at more (kernels/fp8_gemm.py), elsewhere its PyTorch reference.
 
 An FP8 checkpoint (config.json's quantization_config with quant_method "fp8", as vLLM and
 llm-compressor write it: `weight` in e4m3 and `weight_scale`, one per tensor or one per row)
@@ -30,11 +31,6 @@ def quantize_fp8(weight: torch.Tensor, row_max=None) -> tuple[torch.Tensor, torc
         amax = row_max(amax)
     scale = amax / FP8_MAX
     return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight the quantized one stands for, in dtype (computed in fp32, rounded once)."""
-    return (weight.float() * scale[:, None]).to(dtype)
 
 
 def quantize_linear_weights(model: nn.Module) -> int:

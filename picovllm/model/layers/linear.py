@@ -5,7 +5,9 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
-is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other.
+is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other. An FP8 weight
+(model/layers/fp8.py) at more rows goes through kernels/fp8_gemm.py's fp8_linear, the bias and
+residual in its GEMM's epilogue.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from torch import nn
 from picovllm.config import check_tp_heads
 from picovllm.distributed.communicator import tp_all_reduce
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
+from picovllm.kernels.fp8_gemm import fp8_linear
 from picovllm.kernels.gemv import gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
-from picovllm.model.layers.fp8 import dequantize_fp8
 
 
 def one_row_on_gpu(x: torch.Tensor) -> bool:
@@ -55,10 +57,13 @@ def linear(
             silu_mul,
             weight_scale=weight_scale,
         )
-    if weight_scale is not None:  # (FP8: dequantized for the GEMM; the GEMV above reads the FP8 bytes)
-        weight = dequantize_fp8(weight, weight_scale, x.dtype)
     if norm is not None:
         x = norm(x)
+    if weight_scale is not None:  # FP8, the activations quantized per token (kernels/fp8_gemm.py)
+        if not silu_mul:
+            return fp8_linear(x, weight, weight_scale, bias, residual)
+        y = silu_mul_op(fp8_linear(x, weight, weight_scale, bias, None))
+        return y if residual is None else residual.add_(y)
     if weight.is_mkldnn:  # (oneDNN's own layout on a CPU: pack_weights)
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     elif residual is not None and bias is None and not silu_mul and x.dim() == 2:

@@ -1,0 +1,145 @@
+"""FP8 linear layers at more than one row (quantization="fp8", model/layers/fp8.py): vLLM's W8A8
+dynamic scheme, the activations quantized per token, then a GEMM on Hopper's FP8 tensor cores
+with a scale per row of each operand.
+
+- per_token_fp8: vLLM's dynamic per-token scaled_fp8_quant: each row scaled so that its largest
+  magnitude is e4m3's largest; one program a row.
+- fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32,
+  the scales, bias and residual in the epilogue (rounded as the unfused ops round: the output to
+  the model dtype, then the residual sum). Each program streams BLOCK_N weight rows over all of K
+  for BLOCK_M tokens; at decode's few tokens the weight's bytes set the time, so the tiles keep
+  enough programs in flight (fp8_gemm_config).
+- fp8_linear: the two, or past SCALED_MM_MIN_ROWS tokens in bf16 (prompts) cuBLAS's FP8 GEMM
+  (torch._scaled_mm), which measured faster there (benchmarks/kernels/fp8_gemm.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
+from picovllm.model.layers.fp8 import FP8, FP8_MAX
+
+SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # (vLLM's floor: an all-zero row gets this scale and zeros)
+
+
+def per_token_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3, fp32 scale per row [rows, 1]): x ~= e4m3 * scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@triton.jit
+def fp8_row_scale(amax):
+    """A row's scale from its largest magnitude, as per_token_fp8_ref's: amax / FP8_MAX (448), at
+    least MIN_SCALE."""
+    return tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+
+
+@triton.jit
+def to_fp8(xv, scale):
+    """fp32 values over their scale in e4m3, as per_token_fp8_ref rounds them (to nearest even)."""
+    return tl.clamp(xv / scale, -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _per_token_fp8_kernel(x, out, scale, K, s_xm, s_om, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    m = tl.program_id(0)
+    k = tl.arange(0, BLOCK_K)
+    mask = k < K
+    pdl_wait(USE_PDL)
+    xv = tl.load(x + m * s_xm + k, mask=mask, other=0.0).to(tl.float32)
+    s = fp8_row_scale(tl.max(tl.abs(xv), axis=0))
+    tl.store(out + m * s_om + k, to_fp8(xv, s), mask=mask)
+    tl.store(scale + m, s)
+
+
+def per_token_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, k = x.shape
+    out = torch.empty((rows, k), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    block = next_pow2(k)
+    _per_token_fp8_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block,
+                                   num_warps=min(16, max(1, block // 512)), **pdl(x))
+    return out, scale
+
+
+def fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, residual: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """What fp8_gemm_triton computes: a [M, K] in e4m3 with a_scale [M, 1], weight [N, K] in e4m3 with
+    weight_scale [N]; the output in dtype."""
+    y = (a.float() @ weight.float().t()) * a_scale * weight_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(dtype)
+    return y if residual is None else (residual.float() + y.float()).to(dtype)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, M, N, K, s_am, s_wn, s_rm, s_om,
+                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    dt = out.dtype.element_ty
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    nmask = n < N
+    mmask = m < M
+    w_scale = tl.load(weight_scale + n, mask=nmask, other=0.0)
+    pdl_wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        at = tl.load(a + m[:, None] * s_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        wt = tl.load(weight + n[None, :] * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(at, wt, acc)
+    acc *= tl.load(a_scale + m, mask=mmask, other=0.0)[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dt)
+    omask = mmask[:, None] & nmask[None, :]
+    if HAS_RESIDUAL:
+        res = tl.load(residual + m[:, None] * s_rm + n[None, :], mask=omask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
+    tl.store(out + m[:, None] * s_om + n[None, :], y, mask=omask)
+
+
+def fp8_gemm_config(m: int, n: int, k: int) -> dict:
+    """Tiles for m tokens of an [n, k] FP8 weight: all of them in one tile up to 64 (the weight read
+    once), and narrow weight tiles, 16 rows for a weight of at most 2,048 (so that the down
+    projection's 1,536 rows make 96 programs), 32 beyond. Chosen from a sweep at 8 and 128 rows
+    (benchmarks/kernels/fp8_gemm.py sweep)."""
+    block_m = max(16, min(64, next_pow2(m)))
+    block_n = 16 if n <= 2048 and block_m < 64 else 32
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, num_warps=4, num_stages=5 if block_m < 64 else 3)
+
+
+def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, residual: torch.Tensor | None, dtype: torch.dtype,
+                    config: dict | None = None) -> torch.Tensor:
+    m, k = a.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=dtype, device=a.device)
+    cfg = config or fp8_gemm_config(m, n, k)
+    res = residual if residual is not None else out
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    _fp8_gemm_kernel[grid](a, a_scale, weight, weight_scale, bias if bias is not None else out, res, out, m, n, k,
+                           a.stride(0), weight.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                           HAS_RESIDUAL=residual is not None, **cfg, **pdl(a))
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + x @ (weight * weight_scale).T + bias, the activations quantized per token: on the
+    GPU fp8_gemm, or cuBLAS's from SCALED_MM_MIN_ROWS rows in bf16 (its scales per row need a bf16
+    output); elsewhere the reference."""
+    if not use_triton(x) or x.dim() != 2:
+        return fp8_gemm_ref(*per_token_fp8_ref(x), weight, weight_scale, bias, residual, x.dtype)
+    a, a_scale = per_token_fp8_triton(x)
+    if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= SCALED_MM_MIN_ROWS:
+        y = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale[None, :], bias=bias,
+                             out_dtype=x.dtype)
+        return y if residual is None else residual.add_(y)
+    return fp8_gemm_triton(a, a_scale, weight, weight_scale, bias, residual, x.dtype)
