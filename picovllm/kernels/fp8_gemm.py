@@ -2,7 +2,7 @@
 dynamic scheme, the activations quantized per token, then a GEMM on Hopper's FP8 tensor cores
 with a scale per row of each operand.
 
-- per_token_fp8: vLLM's dynamic per-token scaled_fp8_quant: each row scaled so that its largest
+- per_token_fp8_triton: vLLM's dynamic per-token scaled_fp8_quant: each row scaled so that its largest
   magnitude is e4m3's largest; one program a row.
 - fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32,
   the scales, bias and residual in the epilogue (rounded as the unfused ops round: the output to
