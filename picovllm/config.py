@@ -217,8 +217,9 @@ class EngineConfig:
     device: str = option("auto", "auto, cpu or cuda (auto: cuda when available)", check=_device_problem)
     quantization: Quantization | None = option(
         None,
-        "fp8: the linear layers' weights quantized at load to float8 e4m3 with a scale per output channel "
-        "(embeddings, norms and the LM head stay in --dtype); a GPU needs compute capability 8.9 or later",
+        "fp8: the linear layers' weights quantized at load to float8 e4m3 with a scale per output channel, "
+        "their inputs per token as they run (vLLM's W8A8 with dynamic scales; embeddings, norms and the LM head "
+        "stay in --dtype); a GPU needs compute capability 8.9 or later",
     )
     seed: int = option(0)  # (the command line's is the sampling option --seed)
     block_size: int = option(16, "tokens per KV-cache block", bounds=Bounds(1))

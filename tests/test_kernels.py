@@ -245,16 +245,17 @@ def test_per_token_fp8(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fusion", ["plain", "bias", "residual"])
-def test_fp8_gemm(dtype, fusion):
-    """An FP8 weight at more rows (kernels/fp8_gemm.py): e4m3 activations with a scale per token,
-    tokens of a tile's awkward share (M = 37 in 16-row tiles, N and K not multiples of the tiles),
-    against the reference; tokens and rows of very different magnitudes, so that a scale applied
-    to the wrong one shows."""
+@pytest.mark.parametrize("m", [37, 265])
+def test_fp8_gemm(dtype, fusion, m):
+    """An FP8 weight at more rows (kernels/fp8_gemm.py) at the engine's tiles: e4m3 activations with
+    a scale per token, tokens of a tile's awkward share (M = 37 and 265 in 16-row tiles, N and K not
+    multiples of the tiles), against the reference; tokens and rows of very different magnitudes,
+    so that a scale applied to the wrong one shows."""
     from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_ref
     from picovllm.model.layers.fp8 import quantize_fp8
 
     g = torch.Generator().manual_seed(11)
-    m, n, k = 37, 70, 300
+    n, k = 70, 300
     x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m)[:, None]).to(dtype).to(DEV)
     w = torch.randn(n, k, generator=g) / k**0.5 * torch.logspace(-2, 1, n)[torch.randperm(n, generator=g), None]
     wq, w_scale = quantize_fp8(w.to(dtype).to(DEV))

@@ -98,7 +98,7 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
             xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
         if FP8_X:
             x_scale = fp8_row_scale(tl.max(tl.abs(xv), axis=1))
-            xv = to_fp8(xv, x_scale[:, None]).to(tl.float32)
+            xv = to_fp8(xv, 1.0 / x_scale[:, None]).to(tl.float32)
         acc += _rows_times_tile(xv, w)
         if TWO:
             acc2 += _rows_times_tile(xv, w2)
@@ -126,6 +126,7 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
                     xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
                 amax = tl.maximum(amax, tl.abs(xv))
             x_scale = fp8_row_scale(tl.max(amax, axis=1))
+        x_inv = 1.0 / x_scale
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
@@ -134,7 +135,7 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
             if HAS_NORM:
                 xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
             if FP8_X:
-                xv = to_fp8(xv, x_scale[:, None]).to(tl.float32)
+                xv = to_fp8(xv, x_inv[:, None]).to(tl.float32)
             acc += _rows_times_tile(xv, w)
             if TWO:
                 acc2 += _rows_times_tile(xv, w2)
