@@ -58,8 +58,8 @@ def test_chat_template_from_gguf(default_llm):
 def test_fp8_weights_stay_near_bf16(default_llm):
     """quantization="fp8" on the default model against bf16 (benchmarks/fp8_accuracy.py's prompts and
     texts, figures in benchmarks/README.md): the perplexity of the code text within 3% (measured
-    +0.3%), and greedy agreement (tokens before the first difference, 20 prompts x 32) over half
-    (measured 65.8%; a scale on the wrong rows gives next to none)."""
+    +0.9%), and greedy agreement (tokens before the first difference, 20 prompts x 32) over half
+    (measured 55.8%; a scale on the wrong rows gives next to none)."""
     import importlib.util
     import os
 
