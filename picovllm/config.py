@@ -130,6 +130,11 @@ def resolve_dtype(dtype: str | torch.dtype, model_dtype: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: the model's dtype ('auto'), or float8 e4m3 ('fp8', 'fp8_e4m3')."""
+    return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else dtype
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,6 +154,7 @@ KVTransferMode = Literal["async", "sync"]
 KVTransferBackend = Literal["auto", "nixl"]
 PreemptionMode = Literal["recompute", "swap"]
 Quantization = Literal["fp8"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 LoadFormat = Literal["auto", "dummy"]
 
 
@@ -220,6 +226,11 @@ class EngineConfig:
         "fp8: the linear layers' weights quantized at load to float8 e4m3 with a scale per output channel, "
         "their inputs per token as they run (vLLM's W8A8 with dynamic scales; embeddings, norms and the LM head "
         "stay in --dtype); a GPU needs compute capability 8.9 or later",
+    )
+    kv_cache_dtype: KVCacheDtype = option(
+        "auto",
+        "auto: the KV cache in --dtype; fp8 (fp8_e4m3): in float8 e4m3, scale 1.0 (vLLM's default), twice the "
+        "tokens in the same memory; a GPU needs compute capability 8.9 or later",
     )
     seed: int = option(0)  # (the command line's is the sampling option --seed)
     block_size: int = option(16, "tokens per KV-cache block", bounds=Bounds(1))

@@ -32,27 +32,31 @@ def main(dt: str) -> None:
     ptrs.update(block_tables="*i64", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
                 part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32", work="*i64", weight_scale="*fp32")
     fp8 = {"weight": "*fp8e4nv"}  # (an FP8 weight's kernels: HAS_SCALE)
+    fp8_cache = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}  # (kv_cache_dtype="fp8")
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
         *[(prefill_attention._prefill_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
-                                                   PRECISION=precision, SPLITS=splits, MIN_PART=128))
+                                                   PRECISION=precision, SPLITS=splits, MIN_PART=128),
+           fp8_cache if splits == 16 else {})
           for splits in (1, 16)],
         (prefill_attention._prefill_merge_kernel,
          dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
         *[(decode_attention._decode_partition_kernel,
            dict(BLOCK_SIZE=16, HEAD_DIM=128, SPLITS=splits, BLOCK_N=32, BLOCK_G=16, BLOCK_D=128, PRECISION=precision,
-                MIXED=mixed))
+                MIXED=mixed), fp8_cache if mixed else {})
           for splits in (1, 16) for mixed in (False, True)],
         *[(decode_attention._decode_merge_kernel, dict(HEAD_DIM=128, SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
           for mixed in (False, True)],
-        (kv_store._rope_store_kernel, dict(BLOCK_SIZE=16, BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64)),
+        *[(kv_store._rope_store_kernel, dict(BLOCK_SIZE=16, BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64), cache)
+          for cache in ({}, fp8_cache)],
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
         *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, HAS_SCALE=scale,
                                    BLOCK_M=8, BLOCK_N=4, BLOCK_K=256, ONE_TILE=one_tile), fp8 if scale else {})
           for one_tile in (False, True) for scale in (False, True)],
         *[(gemv._qkv_rope_store_kernel, dict(HALF=64, BLOCK_SIZE=16, HAS_BIAS=True, HAS_SCALE=scale, BLOCK_M=1,
-                                             BLOCK_N=2, BLOCK_K=2048, ONE_TILE=one_tile), fp8 if scale else {})
+                                             BLOCK_N=2, BLOCK_K=2048, ONE_TILE=one_tile),
+           {**fp8, **fp8_cache} if scale else {})
           for one_tile in (False, True) for scale in (False, True)],
         (fp8_gemm._per_token_fp8_kernel, dict(BLOCK_K=2048),
          {"out": "*fp8e4nv", "scale": "*fp32"}),

@@ -283,19 +283,22 @@ def test_a_pull_reported_for_an_ended_lease_is_counted_as_late(tiny_qwen):
     prefill.shutdown()
 
 
-@pytest.mark.parametrize("mismatch", ["weights", "dtype"])
+@pytest.mark.parametrize("mismatch", ["weights", "dtype", "kv_cache_dtype"])
 def test_a_prefill_instance_of_another_model_or_dtype_is_not_pulled_from(tiny_qwen, tmp_path, mismatch):
     """P and D must hold the same KV: the same weights (two fine-tunes of one base have the same
-    shapes) and dtype (bf16 and fp16 have the same head bytes). On main D pulled and decoded garbage;
-    now it refuses the pull (counted) and prefills the prompt itself."""
+    shapes), dtype (bf16 and fp16 have the same head bytes) and KV cache dtype (an FP8 pool's
+    blocks are not fp32 ones). On main D pulled and decoded garbage; now it refuses the pull
+    (counted) and prefills the prompt itself."""
     from tiny_models import build_model
 
     other = str(tmp_path)
     build_model(other, "qwen2", seed=7)  # (the same shapes, other weights)
-    p_path, p_dtype, d_dtype = (
-        (tiny_qwen[0], "float32", "float32") if mismatch == "weights" else (other, "bfloat16", "float16")
-    )
-    prefill = _engine(p_path, kv_role="prefill", dtype=p_dtype)
+    p_path, p_dtype, d_dtype, p_kv = {
+        "weights": (tiny_qwen[0], "float32", "float32", "auto"),
+        "dtype": (other, "bfloat16", "float16", "auto"),
+        "kv_cache_dtype": (other, "float32", "float32", "fp8"),
+    }[mismatch]
+    prefill = _engine(p_path, kv_role="prefill", dtype=p_dtype, kv_cache_dtype=p_kv)
     decode = _engine(other, kv_role="decode", dtype=d_dtype)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     held = _run(prefill, [("a", PROMPTS[3], ONE_TOKEN, DO_REMOTE_DECODE)])["a"]

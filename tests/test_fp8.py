@@ -92,7 +92,8 @@ def test_fp8_engine_computes_with_the_quantized_weights(model, request, tmp_path
     assert all(m.weight.dtype == FP8 and m.weight_scale.shape == (m.weight.shape[0],) for m in layers)
     assert net.lm_head.weight.dtype != FP8 and net.model.embed_tokens.weight.dtype != FP8
     prompts = [list(range(3 + i, 3 + i + 5 + 3 * i)) for i in range(8)]
-    _assert_w8a8_outputs(llm, prompts + prompts[:2], str(tmp_path / "dequantized"))  # (the last two: cache hits)
+    # (the last two: prefix cache hits)
+    assert_like_reference(llm, prompts + prompts[:2], _w8a8_reference(str(tmp_path / "dequantized")))
 
 
 def _w8a8_reference(path: str, tp: int = 1):
@@ -121,9 +122,10 @@ def _w8a8_reference(path: str, tp: int = 1):
     return model
 
 
-def _assert_w8a8_outputs(llm, prompts: list[list[int]], reference_path: str, tp: int = 1) -> None:
-    """The engine's greedy tokens (8 a prompt) and top-4 log-probabilities against
-    _w8a8_reference's. Quantizing an activation amplifies fp32's rounding differences: a value
+def assert_like_reference(llm, prompts: list[list[int]], ref) -> None:
+    """The engine's greedy tokens (8 a prompt) and top-4 log-probabilities against those of ref, a
+    transformers model computing what the engine's FP8 does (_w8a8_reference, the FP8 KV cache's
+    test). Quantizing an activation (or a key) amplifies fp32's rounding differences: a value
     near a midpoint of e4m3's steps may round the other way (a 6% change of it), and these tiny
     random models' sharp logits carry that far (up to 0.2 in a log-probability, measured), so the
     bounds are on the whole: at least 8 of the 10 prompts' tokens the same, and the median
@@ -131,7 +133,6 @@ def _assert_w8a8_outputs(llm, prompts: list[list[int]], reference_path: str, tp:
     quantization, or with a scale misapplied, the tokens part at once)."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=4)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    ref = _w8a8_reference(reference_path, tp)
     same, diffs = 0, []
     with torch.no_grad():
         for p, out in zip(prompts, outs):
@@ -196,7 +197,7 @@ def test_an_fp8_checkpoint_loads_as_it_is(tiny_qwen, tmp_path, per_tensor):
     if per_tensor:  # (q, k and v each had one scale: three runs of equal rows)
         assert len(set(qkv.weight_scale.tolist())) == 3
     prompts = [list(range(3 + i, 3 + i + 4 + 5 * i)) for i in range(10)]
-    _assert_w8a8_outputs(llm, prompts, str(tmp_path / "dequantized"))
+    assert_like_reference(llm, prompts, _w8a8_reference(str(tmp_path / "dequantized")))
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
     for quant, error in (
@@ -205,3 +206,48 @@ def test_an_fp8_checkpoint_loads_as_it_is(tiny_qwen, tmp_path, per_tensor):
     ):
         with pytest.raises(ValueError, match=error):
             ModelConfig.from_dict({**cfg, "quantization_config": quant})
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x as an FP8 KV cache holds it (kernels/kv_store.py to_cache), back in its dtype."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8).to(x.dtype)
+
+
+@FP32_ONLY
+@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_llama"])
+def test_fp8_kv_cache(model, request, monkeypatch):
+    """kv_cache_dtype="fp8": the pool in e4m3, four times fp32's blocks (twice bf16's) in the same
+    memory; the engine's tokens and log-probabilities those of transformers' model with each key
+    (after RoPE) and value rounded to e4m3 as the cache stores it, on the paths a request takes
+    (chunked prompts in a 16-token budget, async scheduling, prefix cache hits, which read
+    another request's FP8 blocks); disaggregated peers see the KV's dtype in its description."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    path = request.getfixturevalue(model)[0]
+    opts = dict(max_num_batched_tokens=16, max_num_seqs=4, kv_cache_memory=1 << 20)
+    llm = make_llm(path, kv_cache_dtype="fp8", **opts)
+    engine = llm.llm_engine
+    attention = engine.executor.driver.model_runner.model.attention_layers()
+    assert all(a.k_cache.dtype == a.v_cache.dtype == FP8 for a in attention)
+    fp32 = make_llm(path, **opts).llm_engine
+    block_bytes = engine.executor.driver.model_runner.kv_block_bytes()
+    assert 4 * block_bytes == fp32.executor.driver.model_runner.kv_block_bytes()
+    assert (
+        engine.block_manager.num_total_blocks == (1 << 20) // block_bytes > 4 * fp32.block_manager.num_total_blocks - 4
+    )
+    assert engine.kv_compat["kv_cache_dtype"] == "float8_e4m3fn" and engine.kv_compat["dtype"] == "float32"
+
+    for module in (modeling_qwen2, modeling_llama):  # (keys rounded after RoPE, as the engine stores them)
+        rotate = module.apply_rotary_pos_emb
+        monkeypatch.setattr(
+            module,
+            "apply_rotary_pos_emb",
+            lambda q, k, *args, rotate=rotate: (lambda q, k: (q, _e4m3(k)))(*rotate(q, k, *args)),
+        )
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for layer in ref.model.layers:
+        layer.self_attn.v_proj.register_forward_hook(lambda module, args, out: _e4m3(out))
+    prompts = [list(range(3 + i, 3 + i + 5 + 3 * i)) for i in range(8)]
+    assert_like_reference(llm, prompts + prompts[:2], ref)

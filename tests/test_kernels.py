@@ -63,6 +63,46 @@ def test_rope_and_store(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_store_into_an_fp8_cache(dtype):
+    """kv_cache_dtype="fp8": the rope-and-store kernel and the batch-1 QKV GEMV store K and V in
+    e4m3, values past e4m3's range clamped to it (448), as the reference stores them."""
+    from picovllm.kernels.kv_store import to_cache
+    from picovllm.model.layers.fp8 import FP8
+
+    g = torch.Generator().manual_seed(4)
+    tokens, heads, kv_heads, dim, blocks, bs = 5, 3, 1, 16, 4, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 100
+    qkv[0, -1] = -1000.0  # (a value past e4m3's range, of a stored token)
+    qkv = qkv.to(dtype).to(DEV)
+    q, k, v = qkv.view(tokens, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], 1)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 50
+    cos, sin = angles.cos().to(dtype).to(DEV), angles.sin().to(dtype).to(DEV)
+    slots = torch.tensor([3, -1, 9, 0, 14]).to(DEV)
+    pool, layers = allocate_kv_pool(2, blocks, bs, kv_heads, dim, FP8, DEV)
+    (k_ref, v_ref), (k_out, v_out) = layers
+    _close(
+        rope_and_store_triton(q, k, v, cos, sin, k_out, v_out, slots),
+        rope_and_store_ref(q, k, v, cos, sin, k_ref, v_ref, slots),
+        dtype,
+    )
+    assert torch.equal(k_out.float(), k_ref.float()) and torch.equal(v_out.float(), v_ref.float())
+    assert v_ref.float().min() == -448.0  # (clamped)
+    assert torch.equal(to_cache(torch.tensor([1000.0, -1e9, 1.0]), k_ref).float(), torch.tensor([448.0, -448.0, 1.0]))
+    # the batch-1 QKV GEMV's epilogue
+    x = torch.randn(1, 40, generator=g).to(dtype).to(DEV)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, 40, generator=g) * 30).to(dtype).to(DEV)
+    norm_w = torch.ones(40).to(dtype).to(DEV)
+    rope = (cos[:1], sin[:1])
+    pool.zero_()
+    q_ref = qkv_rope_store_ref(x, w, None, norm_w, 1e-6, *rope, k_ref, v_ref, slots[:1], heads, kv_heads)
+    q_out = qkv_rope_store_triton(x, w, None, norm_w, 1e-6, *rope, k_out, v_out, slots[:1], heads, kv_heads)
+    _close(q_out, q_ref, dtype)
+    # (one step of e4m3, 1/8, where the GEMV's sums round to a neighbour of the reference's)
+    torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=0.13, atol=0)
+    torch.testing.assert_close(v_out.float(), v_ref.float(), rtol=0.13, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm(dtype):
     x = torch.randn(7, 200, dtype=torch.float32).to(dtype).to(DEV)[:, 3:99]  # 96 columns, row stride 200
     w = torch.randn(96).to(dtype).to(DEV)
@@ -75,9 +115,9 @@ def test_silu_mul(dtype):
     _close(silu_mul_triton(x, block=64), silu_mul_ref(x), dtype)
 
 
-def _paged_batch(dtype, q_lens, prefix_lens, block_size, heads=6, kv_heads=2, dim=24, seed=0):
+def _paged_batch(dtype, q_lens, prefix_lens, block_size, heads=6, kv_heads=2, dim=24, seed=0, kv_dtype=None):
     """A batch whose sequences have cached prefixes in randomly placed blocks; returns the
-    query and everything the attention kernels take."""
+    query and everything the attention kernels take. kv_dtype: the cache's, if not dtype."""
     g = torch.Generator().manual_seed(seed)
     ctx = [q + p for q, p in zip(q_lens, prefix_lens)]
     per_seq = [-(-c // block_size) for c in ctx]
@@ -88,8 +128,9 @@ def _paged_batch(dtype, q_lens, prefix_lens, block_size, heads=6, kv_heads=2, di
     for i, n in enumerate(per_seq):
         tables[i, :n] = torch.tensor(perm[:n])
         perm = perm[n:]
-    pool, [(k_cache, v_cache)] = allocate_kv_pool(1, num_blocks, block_size, kv_heads, dim, dtype, DEV)
-    pool.copy_(torch.randn(pool.shape, generator=g))  # (the model runner's layout: strided views)
+    _, [(k_cache, v_cache)] = allocate_kv_pool(1, num_blocks, block_size, kv_heads, dim, kv_dtype or dtype, DEV)
+    for cache in (k_cache, v_cache):  # (the model runner's layout: strided views)
+        cache.copy_(torch.randn(cache.shape, generator=g))
     query = torch.randn(sum(q_lens), heads, dim, generator=g).to(dtype)
     qsl = torch.tensor([0] + q_lens).cumsum(0)
     to = lambda t: t.to(DEV)  # noqa: E731
@@ -125,6 +166,32 @@ def test_prefill_attention_split_k_over_long_prefixes(dtype):
             query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16, splits=splits
         )
         _close(out, ref, dtype)
+
+
+@MASKED_LANES
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_kernels_read_an_fp8_cache(dtype):
+    """kv_cache_dtype="fp8": K and V in e4m3, read back in the queries' dtype by both attention
+    kernels (prefill with cached prefixes, decode split over keys), against the reference on the
+    same cache."""
+    from picovllm.model.layers.fp8 import FP8
+
+    q_lens, prefix = [1, 5, 17, 33], [0, 3, 40, 9]
+    query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, 16, seed=5, kv_dtype=FP8)
+    assert kc.dtype == FP8 and kc.float().abs().max() > 0
+    plan = plan_paged_attention(tables, ctx, qsl, 16, max(q_lens), int(ctx.max()))
+    ref = paged_attention_ref(query, kc, vc, plan, scale)
+    _close(
+        prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=32),
+        ref,
+        dtype,
+    )
+    prefix = [0, 14, 40, 300]
+    query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, [1] * 4, prefix, 16, seed=6, kv_dtype=FP8)
+    plan = plan_paged_attention(tables, ctx, qsl, 16, 1, int(ctx.max()))
+    ref = paged_attention_ref(query, kc, vc, plan, scale)
+    for splits in (1, None):
+        _close(decode_attention_triton(query, kc, vc, tables, ctx, scale, splits), ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

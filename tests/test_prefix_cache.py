@@ -201,27 +201,32 @@ def test_same_step_requests_share_the_prefix(llms):
 
 
 @pytest.mark.parametrize(
-    "seed,budget,async_scheduling,offload,preemption",
+    "seed,budget,async_scheduling,offload,preemption,kv_cache_dtype",
     [
-        (1, None, False, 0, "recompute"),
-        (2, None, False, 0, "recompute"),
-        (3, 7, False, 0, "recompute"),
-        (4, None, True, 0, "recompute"),
-        (5, 7, True, 0, "recompute"),
-        (6, None, False, 40, "recompute"),  # a host tier of 40 blocks under the 24 GPU blocks
-        (7, 7, True, 40, "swap"),
-        (8, None, False, 12, "swap"),  # a host tier too small for everything: it evicts in turn
+        (1, None, False, 0, "recompute", "auto"),
+        (2, None, False, 0, "recompute", "auto"),
+        (3, 7, False, 0, "recompute", "auto"),
+        (4, None, True, 0, "recompute", "auto"),
+        (5, 7, True, 0, "recompute", "auto"),
+        (6, None, False, 40, "recompute", "auto"),  # a host tier of 40 blocks under the 24 GPU blocks
+        (7, 7, True, 40, "swap", "auto"),
+        (8, None, False, 12, "swap", "auto"),  # a host tier too small for everything: it evicts in turn
+        (9, 7, True, 40, "swap", "fp8"),  # K and V in e4m3, on both tiers
     ],
 )
-def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_scheduling, offload, preemption):
+def test_randomised_stress_with_invariants(
+    tiny_qwen, seed, budget, async_scheduling, offload, preemption, kv_cache_dtype
+):
     """Shared prefixes diverging anywhere, arrivals in the same and in different steps, aborts,
     preemption and a pool small enough to force eviction; invariants after every step; outputs
     equal to a cache-free engine; every block free after reset_prefix_cache(). budget 7: prompts
     are prefilled in chunks of at most 7 tokens, mixed with decodes. async_scheduling: steps
     launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due.
     offload: host blocks under the GPU pool (demotions and promotions, the host copies checked
-    against their GPU blocks after every step); swap: preempted requests swap to them."""
-    block_bytes = 2 * 3 * 4 * 2 * 16 * 4  # (tiny_qwen: K and V of 3 layers, 4 tokens of 2 fp32 heads of 16)
+    against their GPU blocks after every step); swap: preempted requests swap to them.
+    kv_cache_dtype fp8: the cache-free engine's K and V are in e4m3 too."""
+    itemsize = 1 if kv_cache_dtype == "fp8" else 4
+    block_bytes = 2 * 3 * 4 * 2 * 16 * itemsize  # (tiny_qwen: K and V of 3 layers, 4 tokens of 2 fp32 heads of 16)
     llm = make_llm(
         tiny_qwen[0],
         skip_tokenizer_init=True,
@@ -233,6 +238,7 @@ def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_schedu
         async_scheduling=async_scheduling,
         kv_offload_memory=offload * block_bytes,
         preemption_mode=preemption,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = llm.llm_engine
     rng = random.Random(seed)
@@ -255,7 +261,9 @@ def test_randomised_stress_with_invariants(tiny_qwen, seed, budget, async_schedu
     metrics = engine.get_metrics()
     assert engine.scheduler.num_preemptions > 0 and metrics["prefix_cache_hit_tokens"] > 0
     assert metrics["prefix_cache_evicted_blocks"] > 0
-    ref = make_llm(tiny_qwen[0], skip_tokenizer_init=True, enable_prefix_caching=False, block_size=4)
+    ref = make_llm(
+        tiny_qwen[0], skip_tokenizer_init=True, enable_prefix_caching=False, block_size=4, kv_cache_dtype=kv_cache_dtype
+    )
     expected = ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for rid, tokens in outputs.items():
         assert tokens == expected[int(rid)].outputs[0].token_ids

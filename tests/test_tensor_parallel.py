@@ -208,14 +208,14 @@ def test_fp8_at_tp2_computes_what_its_shards_stand_for(tmp_path):
     quantizes its slice of a row-parallel layer's input with its own scales (as vLLM's ranks do).
     Its greedy tokens and log-probabilities (fp32, through both ranks' LM-head gathers) are those of
     transformers' model computing that (tests/test_fp8.py)."""
-    from test_fp8 import _assert_w8a8_outputs, _dequantized_copy
+    from test_fp8 import _dequantized_copy, _w8a8_reference, assert_like_reference
 
     path = str(tmp_path / "model")
     build_model(path, "qwen2", heads=4, kv_heads=2, tie=False, bias=True, tokenizer=False, seed=3)
     _dequantized_copy(path, str(tmp_path / "dequantized"))
     prompts = [list(range(10 + i, 22 + 3 * i)) for i in range(10)]
     llm = _llm(path, quantization="fp8", tensor_parallel_size=2)
-    _assert_w8a8_outputs(llm, prompts, str(tmp_path / "dequantized"), tp=2)
+    assert_like_reference(llm, prompts, _w8a8_reference(str(tmp_path / "dequantized"), tp=2))
     llm.shutdown()
 
 

@@ -15,7 +15,14 @@ import time
 from dataclasses import fields
 
 from picovllm import envs
-from picovllm.config import EngineConfig, resolve_device, resolve_dtype, resolve_limits, resolve_max_model_len
+from picovllm.config import (
+    EngineConfig,
+    kv_cache_torch_dtype,
+    resolve_device,
+    resolve_dtype,
+    resolve_limits,
+    resolve_max_model_len,
+)
 from picovllm.engine.block_manager import BlockManager
 from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
 from picovllm.engine.kv_handoff import KVHandoff, kv_compat
@@ -77,6 +84,7 @@ class LLMEngine:
             self.model_config,
             config.block_size,
             config.quantization or self.model_config.quantization,
+            kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype),
         )
         self.kv_handoff = None  # (a prefill or decode instance's: engine/kv_handoff.py)
         if config.kv_role != "both":

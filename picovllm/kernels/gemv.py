@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_row_scale, per_token_fp8_ref, to_fp8
-from picovllm.kernels.kv_store import rope_and_store_ref, rotate_pair
+from picovllm.kernels.kv_store import cache_value, rope_and_store_ref, rotate_pair
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.silu_mul import silu_mul_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
@@ -303,13 +303,13 @@ def _qkv_rope_store_kernel(
     kh = (head - num_heads)[None, :]
     kmask = stored & (kh >= 0) & (kh < num_kv_heads)
     kdst = k_cache + blk * c_kb + off * c_ks + kh * c_kh + i[None, :] * c_kd
-    tl.store(kdst, o1, mask=kmask)
-    tl.store(kdst + HALF * c_kd, o2, mask=kmask)
+    tl.store(kdst, cache_value(o1, k_cache), mask=kmask)
+    tl.store(kdst + HALF * c_kd, cache_value(o2, k_cache), mask=kmask)
     vh = kh - num_kv_heads
     vmask = stored & (vh >= 0)
     vdst = v_cache + blk * c_vb + off * c_vs + vh * c_vh + i[None, :] * c_vd
-    tl.store(vdst, o1, mask=vmask)
-    tl.store(vdst + HALF * c_vd, o2, mask=vmask)
+    tl.store(vdst, cache_value(o1, v_cache), mask=vmask)
+    tl.store(vdst + HALF * c_vd, cache_value(o2, v_cache), mask=vmask)
 
 
 def qkv_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,

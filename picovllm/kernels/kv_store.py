@@ -1,6 +1,10 @@
 """RoPE on a step's queries and keys, fused with writing K and V into the paged cache through
 slot_mapping (one launch per layer instead of three). Rotate-half layout, as Hugging Face's
-Qwen2 and Llama."""
+Qwen2 and Llama.
+
+An FP8 cache (kv_cache_dtype="fp8") holds K and V in e4m3 with scale 1.0 (vLLM's default):
+each value clamped to e4m3's range and rounded to nearest even (to_cache, cache_value); the
+attention kernels read them back in the queries' dtype."""
 import torch
 
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
@@ -13,6 +17,21 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as the cache holds it: in the cache's dtype, clamped to e4m3's range for an FP8 cache."""
+    if cache.dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-448.0, 448.0)
+    return x.to(cache.dtype)
+
+
+@triton.jit
+def cache_value(x, cache):
+    """to_cache in a kernel: x (any float type) as the cache pointer's elements."""
+    if cache.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache.dtype.element_ty)
+
+
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
@@ -21,8 +40,8 @@ def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     keep = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[keep]
     block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[block, offset] = key[keep]
-    v_cache[block, offset] = value[keep]
+    k_cache[block, offset] = to_cache(key[keep], k_cache)
+    v_cache[block, offset] = to_cache(value[keep], v_cache)
 
 
 def rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
@@ -77,12 +96,13 @@ def _rope_store_kernel(
     kmask = (kh < num_kv_heads) & dmask
     k1, k2 = _rotate(k, t, kh, d, s_kt, s_kh, s_kd, c, s, kmask, half)
     kdst = k_cache + blk * c_kb + off * c_ks + kh * c_kh
-    tl.store(kdst + d * c_kd, k1, mask=kmask)
-    tl.store(kdst + (d + half) * c_kd, k2, mask=kmask)
+    tl.store(kdst + d * c_kd, cache_value(k1, k_cache), mask=kmask)
+    tl.store(kdst + (d + half) * c_kd, cache_value(k2, k_cache), mask=kmask)
     vdst = v_cache + blk * c_vb + off * c_vs + kh * c_vh
     vsrc = v + t * s_vt + kh * s_vh
-    tl.store(vdst + d * c_vd, tl.load(vsrc + d * s_vd, mask=kmask), mask=kmask)
-    tl.store(vdst + (d + half) * c_vd, tl.load(vsrc + (d + half) * s_vd, mask=kmask), mask=kmask)
+    tl.store(vdst + d * c_vd, cache_value(tl.load(vsrc + d * s_vd, mask=kmask), v_cache), mask=kmask)
+    tl.store(vdst + (d + half) * c_vd, cache_value(tl.load(vsrc + (d + half) * s_vd, mask=kmask), v_cache),
+             mask=kmask)
 
 
 def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:

@@ -43,8 +43,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """query: [num_tokens, num_heads, head_dim], the tokens of B sequences laid end to end (then
     padding tokens of no sequence, if any); caches: [num_blocks, block_size, num_kv_heads,
     head_dim] with this step's K/V already stored. Returns [num_tokens, num_heads, head_dim]."""
-    keys = k_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]  # [B, ctx, kv_heads, D]
-    values = v_cache[plan.tables].flatten(1, 2)[:, : plan.max_context]
+    keys = k_cache[plan.tables].flatten(1, 2)[:, : plan.max_context].to(query.dtype)  # [B, ctx, kv_heads, D]
+    values = v_cache[plan.tables].flatten(1, 2)[:, : plan.max_context].to(query.dtype)  # (an FP8 cache's upcast)
     q = query[plan.rows]  # [B, max_q, H, D]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=plan.mask, scale=scale, enable_gqa=True)
@@ -71,7 +71,7 @@ def _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kv
         kvmask = dmask[None, :]
     off = n % BLOCK_SIZE
     kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
-                 mask=kvmask, other=0.0)
+                 mask=kvmask, other=0.0).to(qv.dtype)  # (an FP8 cache's keys in the queries' dtype)
     s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
     if MASKED:
         valid = nmask[None, :]
@@ -83,7 +83,7 @@ def _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kv
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
-                 mask=kvmask, other=0.0)
+                 mask=kvmask, other=0.0).to(qv.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
 

@@ -14,14 +14,14 @@ import logging
 import numpy as np
 import torch
 
-from picovllm.config import EngineConfig, ModelConfig
+from picovllm.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from picovllm.distributed.communicator import tp_broadcast
 from picovllm.distributed.kv_transfer import KVTransfer, block_runs
 from picovllm.distributed.kv_transfer.nixl import NixlKVTransfer
 from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.messages import SamplerOutput, SamplingBatch, StepInputs
 from picovllm.model.layers.attention import prefill_work_items
-from picovllm.model.layers.fp8 import quantize_linear_weights
+from picovllm.model.layers.fp8 import FP8, quantize_linear_weights
 from picovllm.model.layers.linear import pack_weights
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
@@ -41,9 +41,12 @@ def allocate_kv_pool(
     (K, V) as the attention kernels index them, [num_blocks, block_size, kv_heads, head_dim]
     (strided views of it). A block of one layer's K (or V) is contiguous, and within it each
     head's tokens: a transfer moves a run of blocks, or a run of heads of a block, as one piece.
-    Zeros, not empty: padded reads of never-written slots must be finite for masked attention."""
-    pool = torch.zeros(num_layers, 2, num_blocks, num_heads, block_size, head_dim, dtype=dtype, device=device)
-    return pool, [(layer[0].transpose(1, 2), layer[1].transpose(1, 2)) for layer in pool]
+    Zeros, not empty: padded reads of never-written slots must be finite for masked attention.
+    An FP8 pool is held as bytes and viewed as e4m3 by the layers (the pool's copies between
+    tiers, index_copy_ and equal among them, have no e4m3 kernels on the CPU)."""
+    storage = torch.uint8 if dtype == FP8 else dtype
+    pool = torch.zeros(num_layers, 2, num_blocks, num_heads, block_size, head_dim, dtype=storage, device=device)
+    return pool, [(layer[0].transpose(1, 2).view(dtype), layer[1].transpose(1, 2).view(dtype)) for layer in pool]
 
 
 class ModelRunner:
@@ -62,9 +65,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = engine_cfg.block_size
         self.eos_ids = eos_ids
-        fp8 = model_cfg.quantization == "fp8" or engine_cfg.quantization == "fp8"
+        self.kv_dtype = kv_cache_torch_dtype(engine_cfg.kv_cache_dtype, dtype)
+        fp8 = model_cfg.quantization == "fp8" or engine_cfg.quantization == "fp8" or self.kv_dtype == FP8
         if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError("FP8 weights need a GPU of compute capability 8.9 or later (Ada, Hopper)")
+            raise ValueError("FP8 weights or KV cache need a GPU of compute capability 8.9 or later (Ada, Hopper)")
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
         if engine_cfg.quantization == "fp8" and model_cfg.quantization is None:  # (an FP8 checkpoint loads as it is)
             layers = quantize_linear_weights(self.model)
@@ -91,7 +95,7 @@ class ModelRunner:
         """Bytes of one block of this rank's KV pool (its own KV heads), K and V of every layer."""
         layers = self.model.attention_layers()
         attn = layers[0]
-        return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * self.kv_dtype.itemsize
 
     def num_kv_blocks(self, engine_cfg: EngineConfig) -> int:
         """Blocks that fit the memory budget left after loading the model."""
@@ -124,13 +128,13 @@ class ModelRunner:
         layers = self.model.attention_layers()
         attn = layers[0]
         self.kv_cache, views = allocate_kv_pool(
-            len(layers), num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype, self.device
+            len(layers), num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.kv_dtype, self.device
         )
         for layer, (k, v) in zip(layers, views, strict=True):
             layer.k_cache, layer.v_cache = k, v
         if num_host_blocks:
             shape = (num_host_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-            self.host_kv = torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            self.host_kv = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
             if self.device.type == "cuda":
                 self.copy_stream = torch.cuda.Stream(self.device)
         if self.kv_role != "both":
@@ -214,7 +218,7 @@ class ModelRunner:
         after the copy (None without a copy stream: done)."""
         side = self.copy_stream
         with self._on_copy_stream():
-            staged = torch.empty((len(src), *self.host_kv.shape[1:]), dtype=self.dtype, device=self.device)
+            staged = torch.empty((len(src), *self.host_kv.shape[1:]), dtype=self.host_kv.dtype, device=self.device)
             for i, start, count in block_runs(list(range(len(src))), src):
                 staged[i : i + count].copy_(self.host_kv[start : start + count], non_blocking=True)
             done = side.record_event() if side is not None else None
