@@ -211,7 +211,7 @@ def test_same_step_requests_share_the_prefix(llms):
         (6, None, False, 40, "recompute", "auto"),  # a host tier of 40 blocks under the 24 GPU blocks
         (7, 7, True, 40, "swap", "auto"),
         (8, None, False, 12, "swap", "auto"),  # a host tier too small for everything: it evicts in turn
-        (9, 7, True, 40, "swap", "fp8"),  # K and V in e4m3, on both tiers
+        (9, 7, True, 40, "swap", "fp8"),  # FP8 weights, and K and V in e4m3 on both tiers
     ],
 )
 def test_randomised_stress_with_invariants(
@@ -224,7 +224,8 @@ def test_randomised_stress_with_invariants(
     launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due.
     offload: host blocks under the GPU pool (demotions and promotions, the host copies checked
     against their GPU blocks after every step); swap: preempted requests swap to them.
-    kv_cache_dtype fp8: the cache-free engine's K and V are in e4m3 too."""
+    kv_cache_dtype fp8: with FP8 weights too (quantization="fp8"), as the cache-free engine's."""
+    fp8 = {"kv_cache_dtype": "fp8", "quantization": "fp8"} if kv_cache_dtype == "fp8" else {}
     itemsize = 1 if kv_cache_dtype == "fp8" else 4
     block_bytes = 2 * 3 * 4 * 2 * 16 * itemsize  # (tiny_qwen: K and V of 3 layers, 4 tokens of 2 fp32 heads of 16)
     llm = make_llm(
@@ -238,7 +239,7 @@ def test_randomised_stress_with_invariants(
         async_scheduling=async_scheduling,
         kv_offload_memory=offload * block_bytes,
         preemption_mode=preemption,
-        kv_cache_dtype=kv_cache_dtype,
+        **fp8,
     )
     engine = llm.llm_engine
     rng = random.Random(seed)
@@ -261,9 +262,7 @@ def test_randomised_stress_with_invariants(
     metrics = engine.get_metrics()
     assert engine.scheduler.num_preemptions > 0 and metrics["prefix_cache_hit_tokens"] > 0
     assert metrics["prefix_cache_evicted_blocks"] > 0
-    ref = make_llm(
-        tiny_qwen[0], skip_tokenizer_init=True, enable_prefix_caching=False, block_size=4, kv_cache_dtype=kv_cache_dtype
-    )
+    ref = make_llm(tiny_qwen[0], skip_tokenizer_init=True, enable_prefix_caching=False, block_size=4, **fp8)
     expected = ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for rid, tokens in outputs.items():
         assert tokens == expected[int(rid)].outputs[0].token_ids

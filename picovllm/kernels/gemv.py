@@ -56,6 +56,18 @@ def _normed(xv, rstd, norm_weight, k, kmask, dt):
 
 
 @triton.jit
+def _input_tile(x, m, mmask, k, K, s_xm, s_xk, rstd, norm_weight, dt, HAS_NORM: tl.constexpr):
+    """Columns k of the input rows m in fp32 (past K: zeros), with HAS_NORM normed by the rows'
+    1 / rms rstd."""
+    kmask = k < K
+    xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
+                 other=0.0).to(tl.float32)
+    if HAS_NORM:
+        xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+    return xv
+
+
+@triton.jit
 def _weight_tiles(weight, rows, rows2, k, nmask, K, s_wn, s_wk, TWO: tl.constexpr):
     """Weight rows `rows` over columns k (past K: masked, nothing read), and with TWO rows `rows2`
     too (the up rows of a fused gate_up, the second halves of RoPE's pairs; without it, the second
@@ -107,33 +119,24 @@ def _products(x, weight, norm_weight, m, mmask, rows, rows2, nmask, K, s_xm, s_x
         # next tile's after the current one's products
         w, w2 = _weight_tiles(weight, rows, rows2, tl.arange(0, BLOCK_K), nmask, K, s_wn, s_wk, TWO)
         pdl_wait(USE_PDL)
+        rstd = tl.full([BLOCK_M], 1.0, tl.float32)
         if HAS_NORM:  # each row's 1 / rms, from a first pass over the (cached) input
             sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & (k[None, :] < K),
-                             other=0.0).to(tl.float32)
+                xv = _input_tile(x, m, mmask, k0 + tl.arange(0, BLOCK_K), K, s_xm, s_xk, rstd, norm_weight, dt, False)
                 sq += xv * xv
             rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
         if FP8_X:  # each row's scale, from a pass over the (normed) input
             amax = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                kmask = k < K
-                xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
-                             other=0.0).to(tl.float32)
-                if HAS_NORM:
-                    xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+                xv = _input_tile(x, m, mmask, k0 + tl.arange(0, BLOCK_K), K, s_xm, s_xk, rstd, norm_weight, dt,
+                                 HAS_NORM)
                 amax = tl.maximum(amax, tl.abs(xv))
             x_scale = fp8_row_scale(tl.max(amax, axis=1))
         x_inv = 1.0 / x_scale
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            xv = tl.load(x + m[:, None] * s_xm + k[None, :] * s_xk, mask=mmask[:, None] & kmask[None, :],
-                         other=0.0).to(tl.float32)
-            if HAS_NORM:
-                xv = _normed(xv, rstd, norm_weight, k, kmask, dt)
+            xv = _input_tile(x, m, mmask, k, K, s_xm, s_xk, rstd, norm_weight, dt, HAS_NORM)
             if FP8_X:
                 xv = to_fp8(xv, x_inv[:, None]).to(tl.float32)
             acc += _rows_times_tile(xv, w)
