@@ -7,8 +7,8 @@ from picovllm.kernels import decode_attention, fp8_gemm, gemv, kv_store, prefill
 from picovllm.kernels.triton_utils import triton
 
 
-def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps"), divisible=(), num_warps: int = 4,
-                 num_stages: int = 3):
+def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps", "k_inv", "v_inv"), divisible=(),
+                 num_warps: int = 4, num_stages: int = 3):
     """Compile a kernel ahead of time for Hopper (sm_90), no GPU needed (here, and
     benchmarks/kernels/kernel_sass.py). pointers: argument name -> Triton pointer type ("*bf16"); every
     other argument not in constexprs is an i32 (fp32 if in floats); those in divisible are

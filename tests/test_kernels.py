@@ -64,8 +64,9 @@ def test_rope_and_store(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_and_store_into_an_fp8_cache(dtype):
-    """kv_cache_dtype="fp8": the rope-and-store kernel and the batch-1 QKV GEMV store K and V in
-    e4m3, values past e4m3's range clamped to it (448), as the reference stores them."""
+    """kv_cache_dtype="fp8": the rope-and-store kernel and the batch-1 QKV GEMV store K / k_scale and
+    V / v_scale in e4m3, values past e4m3's range clamped to it (448), as the reference stores
+    them."""
     from picovllm.kernels.kv_store import to_cache
     from picovllm.model.layers.fp8 import FP8
 
@@ -80,22 +81,26 @@ def test_rope_and_store_into_an_fp8_cache(dtype):
     slots = torch.tensor([3, -1, 9, 0, 14]).to(DEV)
     pool, layers = allocate_kv_pool(2, blocks, bs, kv_heads, dim, FP8, DEV)
     (k_ref, v_ref), (k_out, v_out) = layers
+    scales = (2.0, 0.25)  # (k_scale, v_scale)
     _close(
-        rope_and_store_triton(q, k, v, cos, sin, k_out, v_out, slots),
-        rope_and_store_ref(q, k, v, cos, sin, k_ref, v_ref, slots),
+        rope_and_store_triton(q, k, v, cos, sin, k_out, v_out, slots, *scales),
+        rope_and_store_ref(q, k, v, cos, sin, k_ref, v_ref, slots, *scales),
         dtype,
     )
     assert torch.equal(k_out.float(), k_ref.float()) and torch.equal(v_out.float(), v_ref.float())
     assert v_ref.float().min() == -448.0  # (clamped)
-    assert torch.equal(to_cache(torch.tensor([1000.0, -1e9, 1.0]), k_ref).float(), torch.tensor([448.0, -448.0, 1.0]))
+    stored = to_cache(torch.tensor([1000.0, -1e9, 1.0]), k_ref, 0.5).float()
+    assert torch.equal(stored, torch.tensor([448.0, -448.0, 2.0]))
     # the batch-1 QKV GEMV's epilogue
     x = torch.randn(1, 40, generator=g).to(dtype).to(DEV)
     w = (torch.randn((heads + 2 * kv_heads) * dim, 40, generator=g) * 30).to(dtype).to(DEV)
     norm_w = torch.ones(40).to(dtype).to(DEV)
     rope = (cos[:1], sin[:1])
     pool.zero_()
-    q_ref = qkv_rope_store_ref(x, w, None, norm_w, 1e-6, *rope, k_ref, v_ref, slots[:1], heads, kv_heads)
-    q_out = qkv_rope_store_triton(x, w, None, norm_w, 1e-6, *rope, k_out, v_out, slots[:1], heads, kv_heads)
+    q_ref = qkv_rope_store_ref(x, w, None, norm_w, 1e-6, *rope, k_ref, v_ref, slots[:1], heads, kv_heads, None, *scales)
+    q_out = qkv_rope_store_triton(
+        x, w, None, norm_w, 1e-6, *rope, k_out, v_out, slots[:1], heads, kv_heads, None, *scales
+    )
     _close(q_out, q_ref, dtype)
     # (one step of e4m3, 1/8, where the GEMV's sums round to a neighbour of the reference's)
     torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=0.13, atol=0)

@@ -242,21 +242,22 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def qkv_rope_store_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       weight_scale: torch.Tensor | None = None, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     """What qkv_rope_store_triton computes, op by op: the fused QKV projection of the normed input,
     then RoPE on the queries and keys, the keys and values stored (kernels/kv_store.py); returns the
     rotated queries, [rows, num_heads, head_dim]."""
     rows, head_dim = x.shape[0], cos.shape[-1] * 2
     qkv = fused_linear_ref(x, weight, bias, norm_weight, eps, weight_scale=weight_scale)
     q, k, v = qkv.view(rows, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], 1)
-    return rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @triton.jit
 def _qkv_rope_store_kernel(
     x, weight, weight_scale, bias, norm_weight, cos, sin, slot_mapping, q_out, k_cache, v_cache,
     M, K, s_xm, s_xk, s_wn, s_wk, s_cm, s_qm, s_qh,
-    c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, eps, num_heads, num_kv_heads,
+    c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, eps, num_heads, num_kv_heads, k_inv, v_inv,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -306,19 +307,20 @@ def _qkv_rope_store_kernel(
     kh = (head - num_heads)[None, :]
     kmask = stored & (kh >= 0) & (kh < num_kv_heads)
     kdst = k_cache + blk * c_kb + off * c_ks + kh * c_kh + i[None, :] * c_kd
-    tl.store(kdst, cache_value(o1, k_cache), mask=kmask)
-    tl.store(kdst + HALF * c_kd, cache_value(o2, k_cache), mask=kmask)
+    tl.store(kdst, cache_value(o1, k_cache, k_inv), mask=kmask)
+    tl.store(kdst + HALF * c_kd, cache_value(o2, k_cache, k_inv), mask=kmask)
     vh = kh - num_kv_heads
     vmask = stored & (vh >= 0)
     vdst = v_cache + blk * c_vb + off * c_vs + vh * c_vh + i[None, :] * c_vd
-    tl.store(vdst, cache_value(o1, v_cache), mask=vmask)
-    tl.store(vdst + HALF * c_vd, cache_value(o2, v_cache), mask=vmask)
+    tl.store(vdst, cache_value(o1, v_cache, v_inv), mask=vmask)
+    tl.store(vdst + HALF * c_vd, cache_value(o2, v_cache, v_inv), mask=vmask)
 
 
 def qkv_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
                           eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          weight_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                          weight_scale: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                          config: dict | None = None) -> torch.Tensor:
     """The QKV projection of rmsnorm(x) with RoPE and the KV store in its epilogue (a layer's first
     three ops at decode batch 1 in one kernel); returns the rotated queries, [rows, num_heads,
     head_dim]. weight: [(num_heads + 2 * num_kv_heads) * head_dim, K], rows as QKVParallelLinear
@@ -334,6 +336,7 @@ def qkv_rope_store_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         sin, slot_mapping, q_out, k_cache, v_cache,
         rows, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), cos.stride(0),
         q_out.stride(0), q_out.stride(1), *k_cache.stride(), *v_cache.stride(), eps, num_heads, num_kv_heads,
+        1.0 / k_scale, 1.0 / v_scale,
         HALF=half, BLOCK_SIZE=k_cache.shape[1], HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None,
         ONE_TILE=k <= cfg["BLOCK_K"], **cfg, **pdl(x),
     )

@@ -2,9 +2,10 @@
 slot_mapping (one launch per layer instead of three). Rotate-half layout, as Hugging Face's
 Qwen2 and Llama.
 
-An FP8 cache (kv_cache_dtype="fp8") holds K and V in e4m3 with scale 1.0 (vLLM's default):
-each value clamped to e4m3's range and rounded to nearest even (to_cache, cache_value); the
-attention kernels read them back in the queries' dtype."""
+An FP8 cache (kv_cache_dtype="fp8") holds K and V in e4m3, each divided by its layer's scale
+(k_scale, v_scale: 1.0, vLLM's default, or the checkpoint's), clamped to e4m3's range and
+rounded to nearest even (to_cache, cache_value); the attention kernels read them back in the
+queries' dtype, and the layer applies the scales (model/layers/attention.py)."""
 import torch
 
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
@@ -17,36 +18,39 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x as the cache holds it: in the cache's dtype, clamped to e4m3's range for an FP8 cache."""
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache holds it: in the cache's dtype; for an FP8 cache x times 1 / scale, clamped
+    to e4m3's range."""
     if cache.dtype == torch.float8_e4m3fn:
-        x = x.float().clamp(-448.0, 448.0)
+        x = (x.float() * (1.0 / scale)).clamp(-448.0, 448.0)
     return x.to(cache.dtype)
 
 
 @triton.jit
-def cache_value(x, cache):
-    """to_cache in a kernel: x (any float type) as the cache pointer's elements."""
+def cache_value(x, cache, inv_scale):
+    """to_cache in a kernel: x (any float type) as the cache pointer's elements; inv_scale: 1 / the
+    FP8 cache's scale."""
     if cache.dtype.element_ty == tl.float8e4nv:
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
     return x.to(cache.dtype.element_ty)
 
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim] (any strides); slot_mapping: [num_tokens], slot = block * block_size +
     offset, -1 marks a padding token whose K/V is not stored."""
     keep = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[keep]
     block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[block, offset] = to_cache(key[keep], k_cache)
-    v_cache[block, offset] = to_cache(value[keep], v_cache)
+    k_cache[block, offset] = to_cache(key[keep], k_cache, k_scale)
+    v_cache[block, offset] = to_cache(value[keep], v_cache, v_scale)
 
 
-def rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rope_and_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
     """Rotates q and k, stores the rotated k and v in the cache, returns the rotated q."""
-    store_kvcache_ref(rotary_ref(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(rotary_ref(k, cos, sin), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return rotary_ref(q, cos, sin)
 
 
@@ -72,7 +76,7 @@ def _rope_store_kernel(
     q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
     s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct, s_ot, s_oh,
     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,  # cache strides (block, slot, head, dim)
-    num_heads, num_kv_heads, half,
+    num_heads, num_kv_heads, half, k_inv, v_inv,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -96,28 +100,29 @@ def _rope_store_kernel(
     kmask = (kh < num_kv_heads) & dmask
     k1, k2 = _rotate(k, t, kh, d, s_kt, s_kh, s_kd, c, s, kmask, half)
     kdst = k_cache + blk * c_kb + off * c_ks + kh * c_kh
-    tl.store(kdst + d * c_kd, cache_value(k1, k_cache), mask=kmask)
-    tl.store(kdst + (d + half) * c_kd, cache_value(k2, k_cache), mask=kmask)
+    tl.store(kdst + d * c_kd, cache_value(k1, k_cache, k_inv), mask=kmask)
+    tl.store(kdst + (d + half) * c_kd, cache_value(k2, k_cache, k_inv), mask=kmask)
     vdst = v_cache + blk * c_vb + off * c_vs + kh * c_vh
     vsrc = v + t * s_vt + kh * s_vh
-    tl.store(vdst + d * c_vd, cache_value(tl.load(vsrc + d * s_vd, mask=kmask), v_cache), mask=kmask)
-    tl.store(vdst + (d + half) * c_vd, cache_value(tl.load(vsrc + (d + half) * s_vd, mask=kmask), v_cache),
+    tl.store(vdst + d * c_vd, cache_value(tl.load(vsrc + d * s_vd, mask=kmask), v_cache, v_inv), mask=kmask)
+    tl.store(vdst + (d + half) * c_vd, cache_value(tl.load(vsrc + (d + half) * s_vd, mask=kmask), v_cache, v_inv),
              mask=kmask)
 
 
-def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     half = head_dim // 2
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _rope_store_kernel[(num_tokens,)](
         q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
         *q.stride(), *k.stride(), *v.stride(), cos.stride(0), q_out.stride(0), q_out.stride(1),
-        *k_cache.stride(), *v_cache.stride(), num_heads, k.shape[1], half, BLOCK_SIZE=k_cache.shape[1],
+        *k_cache.stride(), *v_cache.stride(), num_heads, k.shape[1], half, 1.0 / k_scale, 1.0 / v_scale,
+        BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half), **pdl(q),
     )
     return q_out
 
 
-def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
     fn = rope_and_store_triton if use_triton(q) else rope_and_store_ref
-    return fn(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return fn(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -45,7 +45,7 @@ class Attention(nn.Module):
             q = qkv_rope_store_triton(
                 hidden, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps, *cos_sin,
                 self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                weight_scale=self.qkv_proj.weight_scale,
+                self.qkv_proj.weight_scale, *self.attn.kv_scales(),
             )  # fmt: skip
             return self.o_proj(self.attn.attend(q, meta).flatten(1), residual=hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -78,6 +78,14 @@ class PagedAttention(nn.Module):
         # bound by the model runner once the pool is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An FP8 cache's scales (the checkpoint's k_scale and v_scale, else 1.0 as vLLM's): it holds
+        # K / k_scale and V / v_scale (kernels/kv_store.py); a cache in the model's dtype ignores them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def kv_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) as the cache applies them: ones unless it is FP8."""
+        return (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Derive once per forward what every layer's attention needs (the reference path's plan;
@@ -104,16 +112,21 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q, k, v: [num_tokens, heads, head_dim] before RoPE; cos_sin: each token's rotation."""
-        return self.attend(rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping), meta)
+        q = rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, *self.kv_scales())
+        return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, heads, head_dim], rotated, this step's keys and values in the cache."""
+        """q: [num_tokens, heads, head_dim], rotated, this step's keys and values in the cache. An
+        FP8 cache's k_scale scales the scores (with the softmax's scale), its v_scale the output."""
+        k_scale, v_scale = self.kv_scales()
+        out = self._attend(q, meta, self.scale * k_scale)
+        return out if v_scale == 1.0 else out.mul_(v_scale)
+
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not use_triton(q):
-            return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, self.scale)
+            return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, scale)
         if meta.max_query_len == 1:
-            return decode_attention_triton(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
-            )
+            return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, scale)
         # A mixed step: sequences with one query (decodes) go to the decode kernel, which reads
         # each KV head once for its whole query group and splits long contexts; the rest to the
         # prefill kernel; both write their rows of one output.
@@ -125,7 +138,7 @@ class PagedAttention(nn.Module):
                 self.v_cache,
                 meta.block_tables,
                 meta.context_lens,
-                self.scale,
+                scale,
                 query_start_loc=meta.query_start_loc,
                 out=out,
             )
@@ -136,7 +149,7 @@ class PagedAttention(nn.Module):
             meta.block_tables,
             meta.context_lens,
             meta.query_start_loc,
-            self.scale,
+            scale,
             meta.max_query_len,
             out=out,
             skip_single=meta.any_single_query,

@@ -108,8 +108,13 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
-        if name.endswith((".input_scale", ".k_scale", ".v_scale")) and model.config.quantization == "fp8":
-            continue  # (an FP8 checkpoint's static activation and KV scales: activations stay in the model's dtype)
+        if name.endswith(".input_scale") and model.config.quantization == "fp8":
+            continue  # (an FP8 checkpoint's static activation scales: activations are quantized per token)
+        if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):  # an FP8 KV cache's scales
+            attention = model.get_submodule(name.rsplit(".", 1)[0] + ".attn")
+            setattr(attention, name.rsplit(".", 1)[1], float(tensor.float().reshape(-1)[0]))
+            digests[name] = _tensor_digest(name, tensor.float())
+            continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # the tied head is the embedding
         target, shard = name, None
