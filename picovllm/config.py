@@ -229,8 +229,9 @@ class EngineConfig:
     )
     kv_cache_dtype: KVCacheDtype = option(
         "auto",
-        "auto: the KV cache in --dtype; fp8 (fp8_e4m3): in float8 e4m3, scale 1.0 (vLLM's default), twice the "
-        "tokens in the same memory; a GPU needs compute capability 8.9 or later",
+        "auto: the KV cache in --dtype; fp8 (fp8_e4m3): in float8 e4m3, scaled by the checkpoint's k_scale and "
+        "v_scale or 1.0 (vLLM's default), twice the tokens in the same memory; a GPU needs compute capability 8.9 "
+        "or later",
     )
     seed: int = option(0)  # (the command line's is the sampling option --seed)
     block_size: int = option(16, "tokens per KV-cache block", bounds=Bounds(1))
