@@ -201,21 +201,22 @@ def test_same_step_requests_share_the_prefix(llms):
 
 
 @pytest.mark.parametrize(
-    "seed,budget,async_scheduling,offload,preemption,kv_cache_dtype",
+    "seed,budget,async_scheduling,offload,preemption,kv_cache_dtype,tp",
     [
-        (1, None, False, 0, "recompute", "auto"),
-        (2, None, False, 0, "recompute", "auto"),
-        (3, 7, False, 0, "recompute", "auto"),
-        (4, None, True, 0, "recompute", "auto"),
-        (5, 7, True, 0, "recompute", "auto"),
-        (6, None, False, 40, "recompute", "auto"),  # a host tier of 40 blocks under the 24 GPU blocks
-        (7, 7, True, 40, "swap", "auto"),
-        (8, None, False, 12, "swap", "auto"),  # a host tier too small for everything: it evicts in turn
-        (9, 7, True, 40, "swap", "fp8"),  # FP8 weights, and K and V in e4m3 on both tiers
+        (1, None, False, 0, "recompute", "auto", 1),
+        (2, None, False, 0, "recompute", "auto", 1),
+        (3, 7, False, 0, "recompute", "auto", 1),
+        (4, None, True, 0, "recompute", "auto", 1),
+        (5, 7, True, 0, "recompute", "auto", 1),
+        (6, None, False, 40, "recompute", "auto", 1),  # a host tier of 40 blocks under the 24 GPU blocks
+        (7, 7, True, 40, "swap", "auto", 1),
+        (8, None, False, 12, "swap", "auto", 1),  # a host tier too small for everything: it evicts in turn
+        (9, 7, True, 40, "swap", "fp8", 1),  # FP8 weights, and K and V in e4m3 on both tiers
+        (10, 7, True, 40, "swap", "fp8", 2),  # the same over two tensor-parallel ranks
     ],
 )
 def test_randomised_stress_with_invariants(
-    tiny_qwen, seed, budget, async_scheduling, offload, preemption, kv_cache_dtype
+    tiny_qwen, seed, budget, async_scheduling, offload, preemption, kv_cache_dtype, tp
 ):
     """Shared prefixes diverging anywhere, arrivals in the same and in different steps, aborts,
     preemption and a pool small enough to force eviction; invariants after every step; outputs
@@ -224,10 +225,13 @@ def test_randomised_stress_with_invariants(
     launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due.
     offload: host blocks under the GPU pool (demotions and promotions, the host copies checked
     against their GPU blocks after every step); swap: preempted requests swap to them.
-    kv_cache_dtype fp8: with FP8 weights too (quantization="fp8"), as the cache-free engine's."""
+    kv_cache_dtype fp8: with FP8 weights too (quantization="fp8"), as the cache-free engine's.
+    tp: tensor-parallel ranks (each holds its KV heads' blocks), as the cache-free engine's (FP8's
+    row-parallel layers quantize each rank's slice: tp = 2 is not tp = 1's model)."""
     fp8 = {"kv_cache_dtype": "fp8", "quantization": "fp8"} if kv_cache_dtype == "fp8" else {}
     itemsize = 1 if kv_cache_dtype == "fp8" else 4
-    block_bytes = 2 * 3 * 4 * 2 * 16 * itemsize  # (tiny_qwen: K and V of 3 layers, 4 tokens of 2 fp32 heads of 16)
+    # (a rank's block, tiny_qwen: K and V of 3 layers, 4 tokens of its share of 2 heads of 16, fp32 or e4m3)
+    block_bytes = 2 * 3 * 4 * (2 // tp) * 16 * itemsize
     llm = make_llm(
         tiny_qwen[0],
         skip_tokenizer_init=True,
@@ -239,6 +243,7 @@ def test_randomised_stress_with_invariants(
         async_scheduling=async_scheduling,
         kv_offload_memory=offload * block_bytes,
         preemption_mode=preemption,
+        tensor_parallel_size=tp,
         **fp8,
     )
     engine = llm.llm_engine
@@ -262,10 +267,6 @@ def test_randomised_stress_with_invariants(
     metrics = engine.get_metrics()
     assert engine.scheduler.num_preemptions > 0 and metrics["prefix_cache_hit_tokens"] > 0
     assert metrics["prefix_cache_evicted_blocks"] > 0
-    ref = make_llm(tiny_qwen[0], skip_tokenizer_init=True, enable_prefix_caching=False, block_size=4, **fp8)
-    expected = ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for rid, tokens in outputs.items():
-        assert tokens == expected[int(rid)].outputs[0].token_ids
     assert len(outputs) + len(aborted) >= len(prompts)
     assert engine.reset_prefix_cache()
     assert engine.block_manager.num_free_blocks == 24
@@ -275,6 +276,18 @@ def test_randomised_stress_with_invariants(
         assert metrics["kv_offload_demoted_blocks"] > 0 and metrics["kv_offload_promoted_blocks"] > 0
         assert 0 < metrics["prefix_cache_host_hit_tokens"] <= metrics["prefix_cache_hit_tokens"]
     assert (metrics.get("num_swapped_out", 0) > 0) == (preemption == "swap")
+    llm.shutdown()  # (a process holds one tensor-parallel group: the reference's comes after)
+    ref = make_llm(
+        tiny_qwen[0],
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        block_size=4,
+        tensor_parallel_size=tp,
+        **fp8,
+    )
+    expected = ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for rid, tokens in outputs.items():
+        assert tokens == expected[int(rid)].outputs[0].token_ids
 
 
 def test_debug_flag_checks_invariants_every_step(tiny_qwen, monkeypatch):
