@@ -227,6 +227,21 @@ def test_tp_that_does_not_fit_the_heads_fails_before_any_process_starts(tiny_qwe
     assert not multiprocessing.active_children()
 
 
+def test_a_second_engine_beside_a_tensor_parallel_one_is_refused(tiny_qwen):
+    """A process holds one tensor-parallel group: an engine started beside a live tp = 2 one would
+    run its collectives on that group and wait for the other engine's rank for ever (a tp = 1
+    reference in a test did). It is refused, naming the way out; once the first is shut down
+    another starts."""
+    from picovllm import SamplingParams
+
+    first = _llm(tiny_qwen[0], tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"holds a tensor-parallel engine already \(tensor_parallel_size 2\)"):
+        _llm(tiny_qwen[0])
+    first.shutdown()
+    out = _llm(tiny_qwen[0]).generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_a_killed_worker_is_an_error_naming_its_rank_and_nothing_is_left_behind(tmp_path):
     import gc
     import multiprocessing

@@ -26,7 +26,7 @@ import torch
 from picovllm import envs
 from picovllm.config import EngineConfig, ModelConfig, check_tp_heads, resolve_device
 from picovllm.distributed.kv_transfer import KVTransfer, LeaseNotice
-from picovllm.distributed.parallel_state import check_torchrun_world
+from picovllm.distributed.parallel_state import check_torchrun_world, get_tp_group
 from picovllm.messages import (
     AllocateKVCache,
     CaptureGraphs,
@@ -58,6 +58,11 @@ class Executor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, eos_ids: set[int]):
         self.config, self.tp_size = config, config.tensor_parallel_size
         self.error: WorkerError | None = None
+        if (group := get_tp_group()) is not None:  # (its collectives would wait on another engine's ranks)
+            raise ValueError(
+                f"this process holds a tensor-parallel engine already (tensor_parallel_size "
+                f"{group.size()}); shut it down (LLM.shutdown()) before starting another"
+            )
         if self.tp_size > 1:  # before any process starts
             check_tp_heads(model_config.num_attention_heads, model_config.num_key_value_heads, self.tp_size)
         if (launched := envs.torchrun_ranks()) is not None:
