@@ -352,12 +352,7 @@ TRANSFER_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 
 def kv_compat(
-    model_fingerprint: str,
-    dtype,
-    model_config: ModelConfig,
-    block_size: int,
-    quantization: str | None = None,
-    kv_dtype=None,
+    model_fingerprint: str, dtype, model_config: ModelConfig, block_size: int, quantization: str | None, kv_dtype
 ) -> dict:
     """What a pool's KV is: two instances may exchange blocks only if theirs are equal (the same
     checkpoint quantized or not computes different KV; an FP8 pool's blocks are not a bf16 one's)."""
@@ -367,7 +362,7 @@ def kv_compat(
         "model": model_fingerprint,
         "quantization": quantization,
         "dtype": str(dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(kv_dtype or dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "kv_layout": "layers,2,blocks,kv_heads,block_size,head_dim",
         "num_layers": model_config.num_hidden_layers,
         "num_kv_heads": model_config.num_key_value_heads,

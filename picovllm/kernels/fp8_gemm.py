@@ -23,12 +23,18 @@ SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # (vLLM's floor: an all-zero row gets this scale and zeros)
 
 
+def to_fp8_ref(x: torch.Tensor, inv_scale) -> torch.Tensor:
+    """x (in fp32) times its scale's reciprocal in e4m3: clamped to e4m3's range, rounded to nearest
+    even (to_fp8 in a kernel; also an FP8 KV cache's store, kernels/kv_store.py)."""
+    return (x.float() * inv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def per_token_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3, fp32 scale per row [rows, 1]): x ~= e4m3 * scale; x times the scale's reciprocal,
     rounded to nearest even (vLLM's arithmetic: one division a row)."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return to_fp8_ref(xf, 1.0 / scale), scale
 
 
 @triton.jit
@@ -40,8 +46,8 @@ def fp8_row_scale(amax):
 
 @triton.jit
 def to_fp8(xv, inv_scale):
-    """fp32 values times their scale's reciprocal in e4m3, as per_token_fp8_ref rounds them (to
-    nearest even)."""
+    """fp32 values times their scale's reciprocal in e4m3, as to_fp8_ref rounds them (to nearest
+    even)."""
     return tl.clamp(xv * inv_scale, -448.0, 448.0).to(tl.float8e4nv)
 
 
@@ -108,11 +114,11 @@ def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, M, N
 
 
 def fp8_gemm_config(m: int, n: int, k: int) -> dict:
-    """Tiles for m tokens of an [n, k] FP8 weight: 16 tokens a tile, and narrow weight tiles, 16 rows
-    for a weight of at most 2,048 (so that the down projection's 1,536 rows make 96 programs), 32
-    beyond; from a sweep at 8 rows (benchmarks/kernels/fp8_gemm.py sweep). (64-token tiles, faster
-    at 128 rows in the sweep, gave wrong tokens in the engine on the H200: not used until that is
-    understood.)"""
+    """Tiles for m tokens of an [n, k] FP8 weight: 16 tokens a tile at every m, and narrow weight
+    tiles, 16 rows for a weight of at most 2,048 (so that the down projection's 1,536 rows make 96
+    programs), 32 beyond; from a sweep at 8 rows (benchmarks/kernels/fp8_gemm.py sweep). Wider
+    token tiles stay out until their results are shown right in the engine (benchmarks/README.md,
+    FP8 weights)."""
     return dict(BLOCK_M=16, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
 
 

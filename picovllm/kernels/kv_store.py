@@ -8,6 +8,7 @@ rounded to nearest even (to_cache, cache_value); the attention kernels read them
 queries' dtype, and the layer applies the scales (model/layers/attention.py)."""
 import torch
 
+from picovllm.kernels.fp8_gemm import to_fp8, to_fp8_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
 
 
@@ -19,10 +20,9 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """x as the cache holds it: in the cache's dtype; for an FP8 cache x times 1 / scale, clamped
-    to e4m3's range."""
+    """x as the cache holds it: in the cache's dtype; for an FP8 cache x / scale in e4m3."""
     if cache.dtype == torch.float8_e4m3fn:
-        x = (x.float() * (1.0 / scale)).clamp(-448.0, 448.0)
+        return to_fp8_ref(x, 1.0 / scale)
     return x.to(cache.dtype)
 
 
@@ -31,7 +31,7 @@ def cache_value(x, cache, inv_scale):
     """to_cache in a kernel: x (any float type) as the cache pointer's elements; inv_scale: 1 / the
     FP8 cache's scale."""
     if cache.dtype.element_ty == tl.float8e4nv:
-        x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
+        return to_fp8(x.to(tl.float32), inv_scale)
     return x.to(cache.dtype.element_ty)
 
 
