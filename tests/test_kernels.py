@@ -72,7 +72,8 @@ def test_rope_and_store_into_an_fp8_cache(dtype):
 
     g = torch.Generator().manual_seed(4)
     tokens, heads, kv_heads, dim, blocks, bs = 5, 3, 1, 16, 4, 4
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 100
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    qkv[:, heads * dim :] *= 100  # (keys and values over e4m3's range)
     qkv[0, -1] = -1000.0  # (a value past e4m3's range, of a stored token)
     qkv = qkv.to(dtype).to(DEV)
     q, k, v = qkv.view(tokens, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], 1)
@@ -87,7 +88,9 @@ def test_rope_and_store_into_an_fp8_cache(dtype):
         rope_and_store_ref(q, k, v, cos, sin, k_ref, v_ref, slots, *scales),
         dtype,
     )
-    assert torch.equal(k_out.float(), k_ref.float()) and torch.equal(v_out.float(), v_ref.float())
+    # keys rotated in fp32 on the GPU, in the dtype by the reference: within one step of e4m3 (1/8)
+    torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=0.13, atol=2**-9)
+    assert torch.equal(v_out.float(), v_ref.float())  # (values are stored as they come)
     assert v_ref.float().min() == -448.0  # (clamped)
     stored = to_cache(torch.tensor([1000.0, -1e9, 1.0]), k_ref, 0.5).float()
     assert torch.equal(stored, torch.tensor([448.0, -448.0, 2.0]))
