@@ -60,8 +60,9 @@ def main(dt: str) -> None:
           for one_tile in (False, True) for scale in (False, True)],
         (fp8_gemm._per_token_fp8_kernel, dict(BLOCK_K=2048),
          {"out": "*fp8e4nv", "scale": "*fp32"}),
-        (fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128),
-         {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32"}),
+        *[(fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128),
+           {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32"})
+          for block_m in (16, 64)],  # (64: Hopper's wgmma)
     ]
     # with programmatic dependent launch (the default on sm_90): its wait compiled in; an entry's third
     # element, if any: pointer types of its own

@@ -4,11 +4,11 @@ with a scale per row of each operand.
 
 - per_token_fp8_triton: vLLM's dynamic per-token scaled_fp8_quant: each row scaled so that its largest
   magnitude is e4m3's largest; one program a row.
-- fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32,
-  the scales, bias and residual in the epilogue (rounded as the unfused ops round: the output to
-  the model dtype, then the residual sum). Each program streams BLOCK_N weight rows over all of K
-  for BLOCK_M tokens; at decode's few tokens the weight's bytes set the time, so the tiles keep
-  enough programs in flight (fp8_gemm_config).
+- fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32
+  (on every tile), the scales, bias and residual in the epilogue (rounded as the unfused ops
+  round: the output to the model dtype, then the residual sum). Each program streams BLOCK_N
+  weight rows over all of K for BLOCK_M tokens; at decode's few tokens the weight's bytes set
+  the time, so the tiles keep enough programs in flight (fp8_gemm_config).
 - fp8_linear: the two, or past SCALED_MM_MIN_ROWS tokens in bf16 (prompts) cuBLAS's FP8 GEMM
   (torch._scaled_mm), which measured faster there (benchmarks/kernels/fp8_gemm.py).
 """
@@ -101,7 +101,10 @@ def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, M, N
         kmask = k < K
         at = tl.load(a + m[:, None] * s_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         wt = tl.load(weight + n[None, :] * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(at, wt, acc)
+        # Hopper's 64-token FP8 tiles (wgmma) add in less than fp32's precision, and Triton's
+        # default on sm_90 never promotes them: greedy tokens then drift from the reference. Each
+        # instruction's 32 products go to the fp32 sum.
+        acc = tl.dot(at, wt, acc, max_num_imprecise_acc=32)
     acc *= tl.load(a_scale + m, mask=mmask, other=0.0)[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -113,13 +116,17 @@ def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, M, N
     tl.store(out + m[:, None] * s_om + n[None, :], y, mask=omask)
 
 
-def fp8_gemm_config(m: int, n: int, k: int) -> dict:
-    """Tiles for m tokens of an [n, k] FP8 weight: 16 tokens a tile at every m, and narrow weight
-    tiles, 16 rows for a weight of at most 2,048 (so that the down projection's 1,536 rows make 96
-    programs), 32 beyond; from a sweep at 8 rows (benchmarks/kernels/fp8_gemm.py sweep). Wider
-    token tiles stay out until their results are shown right in the engine (benchmarks/README.md,
-    FP8 weights)."""
-    return dict(BLOCK_M=16, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
+def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
+    """Tiles for m tokens of an [n, k] FP8 weight: all of them in one tile up to 64 (the weight read
+    once), and narrow weight tiles, 16 rows for a weight of at most 2,048 (so that the down
+    projection's 1,536 rows make 96 programs), 32 beyond. Chosen from a sweep at 8 and 128 rows
+    (benchmarks/kernels/fp8_gemm.py sweep). exact: at most 32 tokens a tile. Hopper's 64-token
+    FP8 tiles (wgmma) sum with an error of about 5e-5 of the largest output (measured on the H200),
+    far below the rounding of a bf16 or fp16 output (4e-3) but not of an fp32 one; smaller tiles
+    sum in fp32 (mma)."""
+    block_m = max(16, min(32 if exact else 64, next_pow2(m)))
+    block_n = 16 if n <= 2048 and block_m < 64 else 32
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, num_warps=4, num_stages=5 if block_m < 64 else 3)
 
 
 def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -128,7 +135,7 @@ def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
     m, k = a.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=dtype, device=a.device)
-    cfg = config or fp8_gemm_config(m, n, k)
+    cfg = config or fp8_gemm_config(m, n, k, exact=dtype == torch.float32)
     res = residual if residual is not None else out
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     _fp8_gemm_kernel[grid](a, a_scale, weight, weight_scale, bias if bias is not None else out, res, out, m, n, k,
