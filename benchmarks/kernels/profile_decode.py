@@ -1,7 +1,7 @@
 """GPU time per kernel of a step, Qwen2.5-1.5B shapes with random weights (GPU only).
 
-Usage: PYTHONPATH=. python benchmarks/kernels/profile_decode.py [BATCH] [graphs]
-         a decode step at BATCH (without "graphs" the step runs eagerly);
+Usage: PYTHONPATH=. python benchmarks/kernels/profile_decode.py [BATCH] [graphs] [fp8]
+         a decode step at BATCH (without "graphs" the step runs eagerly; "fp8": FP8 weights);
        PYTHONPATH=. python benchmarks/kernels/profile_decode.py prefix [CACHED] [NEW]
          the warm request of `picovllm bench prefix` scenario b: a prompt whose first CACHED
          tokens (default 2083) are in the prefix cache and NEW (default 40) are not, with the
@@ -53,9 +53,14 @@ def report(prof, steps: int, label: str) -> None:
         print(f"{e.self_device_time_total / steps:9.1f} us/step  x{e.count / steps:5.0f}  {e.key[:90]}")
 
 
-def decode(batch: int, eager: bool) -> None:
+def decode(batch: int, eager: bool, quantization: str | None) -> None:
     llm = LLM(
-        "dummy:qwen2.5-1.5b", device="cuda", skip_tokenizer_init=True, enforce_eager=eager, gpu_memory_utilization=0.5
+        "dummy:qwen2.5-1.5b",
+        device="cuda",
+        skip_tokenizer_init=True,
+        enforce_eager=eager,
+        gpu_memory_utilization=0.5,
+        quantization=quantization,
     )
     engine = llm.llm_engine
     for i in range(batch):
@@ -345,4 +350,8 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "serve":
         serve_steps(*(int(a) for a in sys.argv[2:4]), profiled="profile" in sys.argv, host_profiled="host" in sys.argv)
     else:
-        decode(int(sys.argv[1]) if len(sys.argv) > 1 else 1, len(sys.argv) < 3 or sys.argv[2] != "graphs")
+        decode(
+            int(sys.argv[1]) if len(sys.argv) > 1 else 1,
+            "graphs" not in sys.argv,
+            "fp8" if "fp8" in sys.argv else None,
+        )
