@@ -11,7 +11,10 @@ replayed from a CUDA graph (GPU only), in us per call:
 
 Usage: PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py [ROWS ...]  (default: 1 2 4 8 16 32 64 128 256 2048)
        PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py sweep [ROWS ...]  (default: 8 128)
-         fp8_gemm's tiles swept, the best four per projection and row count"""
+         fp8_gemm's tiles swept, the best four per projection and row count
+       PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py accuracy
+         fp8_gemm's error by token tile against fp32 sums of the same operands (max |out - ref| /
+         max |ref|), with fp32 and bf16 outputs"""
 
 import itertools
 import sys
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels.gemv_sweep import SHAPES, bench
-from picovllm.kernels.fp8_gemm import fp8_gemm_config, fp8_gemm_triton, per_token_fp8_triton
+from picovllm.kernels.fp8_gemm import fp8_gemm_config, fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_triton
 from picovllm.kernels.gemv import MAX_ROWS, gemv_triton
 from picovllm.kernels.triton_utils import next_pow2
 from picovllm.model.layers.fp8 import quantize_fp8
@@ -92,8 +95,27 @@ def sweep(row_counts: list[int]) -> None:
             print(f"{name:8s} rows={rows:5d} default {fp8_gemm_config(rows, n, k)} | best {best}", flush=True)
 
 
+def accuracy() -> None:
+    g = torch.Generator().manual_seed(0)
+    for (m, n, k), dt in itertools.product(
+        [(130, 256, 64), (265, 1536, 1536), (130, 1536, 8960)], [torch.float32, torch.bfloat16]
+    ):
+        x = torch.randn(m, k, generator=g).to(dt).cuda()
+        q, s = quantize_fp8((torch.randn(n, k, generator=g) / k**0.5).to(dt).cuda())
+        a, a_scale = per_token_fp8_triton(x)
+        ref = fp8_gemm_ref(a.cpu(), a_scale.cpu(), q.cpu(), s.cpu(), None, None, torch.float32).double()
+        errors = []
+        for block_m in (16, 32, 64):
+            cfg = dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+            out = fp8_gemm_triton(a, a_scale, q, s, None, None, dt, cfg).cpu().double()
+            errors.append(f"{block_m} tokens {((out - ref).abs().max() / ref.abs().max()).item():.1e}")
+        print(f"{m} x {n} x {k}, {dt}: " + ", ".join(errors), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["sweep"]:
+    if sys.argv[1:2] == ["accuracy"]:
+        accuracy()
+    elif sys.argv[1:2] == ["sweep"]:
         sweep([int(r) for r in sys.argv[2:]] or [8, 128])
     else:
         main([int(r) for r in sys.argv[1:]] or [1, 2, 4, 8, 16, 32, 64, 128, 256, 2048])
