@@ -108,6 +108,19 @@ def test_serve_step_intervals_leave_idle_gaps_out():
     assert abs(stats["p50"] - 2.0) < 1e-9 and abs(stats["mean"] - 5 / 3) < 1e-9 and ms_stats([]) == {}
 
 
+def test_serve_report_says_why_every_request_failed(capsys):
+    """A run whose requests all failed (token ids past a server's vocabulary) reports the first
+    error instead of crashing on an empty latency table."""
+    from picovllm.bench.serve import _report, _summary
+
+    error = '{"error": {"message": "token id 29999 is outside the vocabulary (307)"}}'
+    results = [{"ok": False, "status": 400, "error": error}] * 3
+    _report(_summary(results, 1.0, 3, float("inf"), 8, 4, None), results, None)
+    out = capsys.readouterr().out
+    assert "0/3 requests" in out and "3 other failures" in out
+    assert "first failure: 400 " + error in out
+
+
 def test_offload_multi_turn_and_preemption(tiny_qwen, capsys):
     from picovllm.bench.offload import run_multi_turn, run_preemption
 

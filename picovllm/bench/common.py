@@ -96,7 +96,9 @@ def progress(text: str) -> None:
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """columns: (key, header, format)."""
+    """columns: (key, header, format); nothing when there are no rows."""
+    if not rows:
+        return
     headers = [h for _, h, _ in columns]
     cells = [[("-" if r.get(k) is None else format(r[k], f)) for k, _, f in columns] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]

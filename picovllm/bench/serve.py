@@ -299,6 +299,9 @@ def _report(summary: dict, results: list[dict], probe: EngineProbe | None) -> No
         f"{rejected} refused with 503 (queue full), {server_errors} other 5xx, "
         f"{summary['failed'] - rejected - server_errors} other failures"
     )
+    failed = next((r for r in results if not r["ok"]), None)
+    if failed is not None:
+        print(f"first failure: {failed.get('status', '-')} {failed.get('error', '')}")
     if probe is not None:
         after = summary["engine_after"]
         print(
