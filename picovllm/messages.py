@@ -120,10 +120,12 @@ class EngineCoreOutput(NamedTuple):
 
 @dataclass(frozen=True)
 class EngineCoreOutputs:
-    """One step's outputs (or none: the metrics changed), and the engine's metrics after it."""
+    """One step's outputs of one client's requests (or none: the metrics changed), the engine's
+    metrics after it, and how many of the client's requests are in the running batch."""
 
     outputs: list[EngineCoreOutput]
     metrics: dict[str, int]
+    num_running: int
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from picovllm.entrypoints.args import (
     max_num_waiting,
     port,
     positive_float,
+    positive_int,
     queue_parser,
     sampling_params,
     sampling_parser,
@@ -27,15 +28,20 @@ GRACEFUL_SHUTDOWN_S = 5  # what open streams get to finish after Ctrl-C before t
 DRAIN_S = 300  # what in-flight requests get to finish after SIGTERM (no new connection is taken)
 
 
-def _listen(host: str, port: int):
+def _listen(host: str, port: int, reuse_port: bool = False):
     """A socket bound to host:port, for the server to take (_serve_http): a port in use is an
-    error before the model loads, not after. ValueError when it cannot be bound."""
+    error before the model loads, not after. ValueError when it cannot be bound. reuse_port: the
+    port shared by the sockets of serve's HTTP processes (--api-server-count), each binding its
+    own: the kernel spreads the connections over them (one socket shared would leave them to
+    whichever process accepts first, in practice one)."""
     import socket
 
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
@@ -58,31 +64,55 @@ class _AccessLogFilter(logging.Filter):
         return len(args) < 3 or str(args[2]).split("?", 1)[0] not in self.paths
 
 
-def _serve_http(app, sock, log_level: str, engine=None, access_log: bool = True, quiet_paths: str = "") -> bool:
+def _serve_http(
+    app,
+    sock,
+    log_level: str,
+    access_log: bool = True,
+    quiet_paths: str = "",
+    engine=None,
+    others: list = (),
+    quiet: bool = False,
+) -> bool:
     """uvicorn on sock (_listen), stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or
     draining on SIGTERM: it stops taking connections, and the requests in flight finish (within
     DRAIN_S); a prefill instance then also waits for its held KV to be pulled or its leases to
     end (server.py). With an engine, it also stops when the engine has died (its streams ended
-    with the error): returns False then, True when told to stop. uvicorn raises the signal that
-    stopped it again once it has stopped: here that is the end, said in one line. access_log:
-    uvicorn's line for each request, less those for quiet_paths (comma-separated)."""
+    with the error), or when one of the `others` (serve's other HTTP processes) has: returns
+    False then, True when told to stop. The others get this process's SIGTERM as it comes, and
+    its Ctrl-C once it has stopped (a terminal's reaches them at once), and are waited for.
+    uvicorn raises the signal that stopped it again once it has stopped: here that is the end,
+    said in one line (quiet: nothing said, serve's own process says it). access_log: uvicorn's
+    line for each request, less those for quiet_paths (comma-separated)."""
+    import os
     import signal
 
     import uvicorn
 
+    say = (lambda _: None) if quiet else _say
+
     class Server(uvicorn.Server):
-        engine_died = False
+        died = False  # (the engine, or another HTTP process)
+        draining = False
 
         def handle_exit(self, sig, frame) -> None:
             if sig == signal.SIGTERM:
                 self.config.timeout_graceful_shutdown = DRAIN_S
+                self.draining = True
+                for p in others:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGTERM)
             super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
-            if engine is not None and engine.error is not None and not self.engine_died:
-                _say(f"the engine has stopped ({engine.error!r}): the server stops")
-                self.engine_died = True
-            return self.engine_died or await super().on_tick(counter)
+            if not self.died:
+                if engine is not None and engine.error is not None:
+                    say(f"the engine has stopped ({engine.error!r}): the server stops")
+                    self.died = True
+                elif dead := [p for p in others if p.exitcode is not None]:
+                    say(f"HTTP process {dead[0].name} exited (code {dead[0].exitcode}): the server stops")
+                    self.died = True
+            return self.died or await super().on_tick(counter)
 
     def stop(sig, frame):
         raise _Stop
@@ -90,19 +120,28 @@ def _serve_http(app, sock, log_level: str, engine=None, access_log: bool = True,
     config = uvicorn.Config(
         app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=access_log
     )
-    quiet = _AccessLogFilter({p.strip() for p in quiet_paths.split(",") if p.strip()})
-    logging.getLogger("uvicorn.access").addFilter(quiet)  # (after the Config, which sets uvicorn's loggers up)
+    access = _AccessLogFilter({p.strip() for p in quiet_paths.split(",") if p.strip()})
+    logging.getLogger("uvicorn.access").addFilter(access)  # (after the Config, which sets uvicorn's loggers up)
     server = Server(config)
     before = signal.signal(signal.SIGTERM, stop)
+    stopped = False
     try:
         server.run(sockets=[sock])
     except (KeyboardInterrupt, _Stop):
-        _say("stopped")
+        stopped = True
     finally:
         signal.signal(signal.SIGTERM, before)
-        logging.getLogger("uvicorn.access").removeFilter(quiet)
+        logging.getLogger("uvicorn.access").removeFilter(access)
         sock.close()
-    return not server.engine_died
+        for p in others:
+            if not server.draining and p.is_alive():
+                os.kill(p.pid, signal.SIGINT)
+            p.join(timeout=(DRAIN_S if server.draining else GRACEFUL_SHUTDOWN_S) + 10)
+            if p.is_alive():
+                p.kill()
+    if stopped:
+        say("stopped")
+    return not server.died
 
 
 def _say(text: str) -> None:
@@ -338,56 +377,112 @@ def _chat_turn(engine, history: list[dict], params, tools: list[dict] | None) ->
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    args.model = args.model_tag or args.model
+    count = args.api_server_count
+    if count > 1:  # (before prometheus_client is imported, here and in the HTTP processes, which inherit it)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="picovllm-metrics-")
+    try:
+        return _serve(args, count)
+    finally:
+        if count > 1:
+            import shutil
+
+            shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, count: int) -> int:
+    """serve's server: this process's HTTP server and count - 1 more in processes of their own
+    (_http_process), all on one socket, each with a client of the engine process. Each HTTP
+    process drains or stops on its own signals (Ctrl-C reaches them all); this one passes its own
+    on, and stops them all when one of them, or the engine, has died."""
+    import multiprocessing
 
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
     from picovllm.entrypoints.openai.server import build_app
     from picovllm.model_source.builtin import DEFAULT_MODEL
     from picovllm.sampling_params import SamplingParams
 
-    args.model = args.model_tag or args.model
     defaults = {k: v for k, v in sampling_values(args).items() if k not in ("n", "logprobs", "ignore_eos")}
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
-    sock = _listen(args.host, args.port)
+    sock = _listen(args.host, args.port, reuse_port=count > 1)
     _say(f"loading {args.model or DEFAULT_MODEL}...")
     start = time.perf_counter()
     try:
-        engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
+        engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing, count)
     except BaseException:
         sock.close()
         raise
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    app = build_app(
-        engine,
-        name,
-        args.api_key,
-        defaults,
-        web_ui=not args.disable_web_ui,
-        max_num_waiting=max_num_waiting(args),
-        kv_secret=args.kv_transfer_secret,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        log_stats=not args.disable_log_stats,
-    )
+    app_args = {
+        "served_model_name": name,
+        "api_key": args.api_key,
+        "sampling_defaults": defaults,
+        "web_ui": not args.disable_web_ui,
+        "max_num_waiting": -(-max_num_waiting(args) // count),
+        "kv_secret": args.kv_transfer_secret,
+        "tool_call_parser": args.tool_call_parser,
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+    }
+    http_args = (args.log_level, not args.disable_uvicorn_access_log, args.disable_access_log_for_endpoints)
+    app = build_app(engine, log_stats=not args.disable_log_stats, **app_args)
+    ctx = multiprocessing.get_context("spawn")
+    address = (args.host, sock.getsockname()[1])
+    started = [ctx.Event() for _ in range(count - 1)]
+    others = [
+        ctx.Process(target=_http_process, args=(pipes, address, app_args, http_args, up), name=f"picovllm-http-{i}")
+        for i, (pipes, up) in enumerate(zip(engine.clients() if count > 1 else [], started), 1)
+    ]
+    try:
+        for p in others:
+            p.start()
+        engine.release_clients()
+        for p, up in zip(others, started):
+            while not up.wait(0.1):
+                if not p.is_alive():
+                    raise RuntimeError(f"HTTP process {p.name} exited while starting (code {p.exitcode})")
+    except BaseException:
+        for p in others:
+            p.kill()
+        engine.shutdown()
+        sock.close()
+        raise
     blocks = engine.get_metrics()["kv_blocks_total"]
     _say(
         f"ready in {time.perf_counter() - start:.1f} s: {name!r} ({blocks} KV blocks, max_model_len "
-        f"{engine.max_model_len}{'' if engine.kv_role == 'both' else f', the {engine.kv_role} role'})\n"
+        f"{engine.max_model_len}{'' if engine.kv_role == 'both' else f', the {engine.kv_role} role'}"
+        f"{f', {count} HTTP processes' if count > 1 else ''})\n"
         f"serving on http://{args.host}:{args.port}{'' if args.disable_web_ui else ' (open it for the chat page)'} "
         f"(Ctrl-C stops it; open streams get {GRACEFUL_SHUTDOWN_S} s to finish; SIGTERM drains)"
     )
     with frozen_heap():
         try:
-            stopped = _serve_http(
-                app,
-                sock,
-                args.log_level,
-                engine,
-                not args.disable_uvicorn_access_log,
-                args.disable_access_log_for_endpoints,
-            )
+            stopped = _serve_http(app, sock, *http_args, engine=engine, others=others)
         finally:
             engine.shutdown()
-    return 0 if stopped else 1  # (1: the engine died)
+    return 0 if stopped else 1  # (1: the engine or an HTTP process died)
+
+
+def _http_process(pipes: tuple, address: tuple[str, int], app_args: dict, http_args: tuple, started) -> None:
+    """One more HTTP process of serve's (--api-server-count): its own app and client of the engine
+    process, on a socket of its own on serve's port (listening before it sets `started`), until
+    its signal or the engine's end; no stats lines (serve's own process logs them)."""
+    from picovllm.entrypoints.openai.async_engine import EngineClient, frozen_heap
+    from picovllm.entrypoints.openai.server import build_app
+
+    configure_logging()
+    sock = _listen(*address, reuse_port=True)
+    engine = EngineClient(*pipes)
+    app = build_app(engine, log_stats=False, **app_args)
+    sock.listen(2048)  # (uvicorn's backlog)
+    started.set()
+    with frozen_heap():
+        try:
+            _serve_http(app, sock, *http_args, engine=engine, quiet=True)
+        finally:
+            engine.close()
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -517,6 +612,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-frontend-multiprocessing",
         action="store_true",
         help="run the engine on a thread of the server's process, not in a process of its own",
+    )
+    serve.add_argument(
+        "--api-server-count",
+        type=positive_int,
+        default=1,
+        help="HTTP processes sharing the port and the engine process (vLLM's): the streams' serialising spread "
+        "over several cores; --max-num-waiting is split between them (default 1)",
     )
     serve.add_argument("--kv-transfer-secret", default=None, metavar="SECRET", help=_KV_SECRET_HELP)
     serve.add_argument(

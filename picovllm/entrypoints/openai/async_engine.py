@@ -1,7 +1,9 @@
 """The engine in the background, for asyncio servers: on a thread of this process (AsyncEngine),
 or in a process of its own (EngineProcess, the server's default; vLLM's engine core runs apart
 for the same reason): the engine's host work and the HTTP thread's streaming then do not take
-turns on one GIL. Both run the same command loop (engine_loop).
+turns on one GIL. Both run the same command loop (engine_loop). An engine process serves one
+HTTP process or several (`--api-server-count`, as vLLM's): each talks to it through a pair of
+pipes of its own (EngineClient), and gets the outputs of the requests it sent.
 
 Both validate prompts off the event loop, take requests and aborts from HTTP handlers, deliver
 each request's RequestOutputs (in its params' output kind; the server asks for DELTA) on an asyncio
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import gc
 import multiprocessing
+import multiprocessing.connection
 import queue
 import signal
 import threading
@@ -267,6 +270,11 @@ class AsyncEngine(_Background):
     def get_metrics(self) -> dict[str, int]:
         return self.engine.get_metrics()
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch (all of them this server's)."""
+        return self.get_metrics()["num_running"]
+
     def _send(self, cmd: EngineCommand) -> None:
         self._commands.put(cmd)
 
@@ -291,42 +299,96 @@ class AsyncEngine(_Background):
 # ---- the engine in a process of its own -------------------------------------------------------
 
 
-def _engine_main(engine_args: dict, commands, outputs) -> None:
+def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
     """The engine process: build the engine, report its limits, then run engine_loop on the
-    pipes, sending each step's outputs and the engine's metrics. Ctrl-C is the server's to
-    handle: it shuts this process down with StopEngine, or by closing the pipe."""
+    pipes of its clients (one pair per HTTP process: commands down, outputs up), sending each
+    client the outputs of the requests it added, with the engine's metrics, after every step.
+    Ctrl-C is the server's to handle: it shuts this process down with StopEngine, or by closing
+    the first client's pipe (the server's own process gone); another client gone (an HTTP process
+    of the server's, stopped or dead) has its requests aborted, and the others go on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging()  # (at the level of the command that started it, if one did)
     try:
         engine = LLMEngine.from_engine_args(**engine_args)
     except BaseException as e:  # bad options: the server reports them and does not start
-        outputs.send(EngineDead(e))
+        for out in outputs:
+            out.send(EngineDead(e))
         return
     config = engine.config
-    outputs.send(
-        EngineReady(
-            engine.model_config.vocab_size,
-            engine.max_model_len,
-            engine.tokenizer_source,
-            config.kv_role,
-            config.block_size,
-            config.kv_lease_s,
-            engine.kv_compat,
-            engine.get_metrics(),
-        )
+    ready = EngineReady(
+        engine.model_config.vocab_size,
+        engine.max_model_len,
+        engine.tokenizer_source,
+        config.kv_role,
+        config.block_size,
+        config.kv_lease_s,
+        engine.kv_compat,
+        engine.get_metrics(),
     )
+    for out in outputs:
+        out.send(ready)
+    client_of: dict[str, int] = {}  # a request's client (the pipe its outputs go up), until it finishes
+    live = dict(enumerate(commands))  # the clients' command pipes still open
+    pending: list[EngineCommand] = []  # (commands read and not yet returned)
 
     def next_command(timeout: float | None) -> EngineCommand | None:
-        if timeout is not None and 0 < timeout < 0.001:  # (a pipe's poll waits whole milliseconds)
-            time.sleep(timeout)
-            timeout = 0
-        return commands.recv() if commands.poll(timeout) else None
+        if not pending:
+            if timeout is not None and 0 < timeout < 0.001:  # (a pipe's poll waits whole milliseconds)
+                time.sleep(timeout)
+                timeout = 0
+            for conn in multiprocessing.connection.wait(list(live.values()), timeout):
+                i = commands.index(conn)
+                try:
+                    cmd = conn.recv()
+                except EOFError:
+                    gone(i)
+                    continue
+                if isinstance(cmd, AddRequest):
+                    client_of[cmd.request_id] = i
+                elif isinstance(cmd, AbortRequest):
+                    client_of.pop(cmd.request_id, None)
+                pending.append(cmd)
+        return pending.pop(0) if pending else None
+
+    def gone(i: int) -> None:
+        """Client i's process has exited (the server stops it, or it died): its requests end. The
+        first client's is the server's own: the engine ends (EOFError)."""
+        if i == 0:
+            raise EOFError
+        del live[i]
+        outputs[i].close()
+        for request_id in [r for r, c in client_of.items() if c == i]:
+            del client_of[request_id]
+            pending.append(AbortRequest(request_id))
 
     def publish(outs: list[RequestOutput]) -> None:
-        outputs.send(EngineCoreOutputs([EngineCoreOutput.of(o) for o in outs], engine.get_metrics()))
+        by_client: list[list[EngineCoreOutput]] = [[] for _ in outputs]
+        for o in outs:
+            i = client_of.pop(o.request_id) if o.finished else client_of.get(o.request_id)
+            if i is not None:  # (None: aborted)
+                by_client[i].append(EngineCoreOutput.of(o))
+        metrics = engine.get_metrics()
+        running = [0] * len(outputs)
+        for req in engine.scheduler.running:
+            if (i := client_of.get(req.parent_id)) is not None:
+                running[i] += 1
+        for i in list(live):
+            send(i, EngineCoreOutputs(by_client[i], metrics, running[i]))
+
+    def send(i: int, message) -> None:
+        try:
+            outputs[i].send(message)
+        except OSError:  # (its reader has closed: the client is gone, its commands' end not read yet)
+            gone(i)
 
     def fail(failed: list[tuple[str, str]]) -> None:
-        outputs.send(RequestsFailed(failed))
+        by_client: list[list[tuple[str, str]]] = [[] for _ in outputs]
+        for request_id, why in failed:
+            if (i := client_of.pop(request_id, None)) is not None:
+                by_client[i].append((request_id, why))
+        for i in list(live):
+            if by_client[i]:
+                send(i, RequestsFailed(by_client[i]))
 
     try:
         with frozen_heap():
@@ -334,47 +396,43 @@ def _engine_main(engine_args: dict, commands, outputs) -> None:
     except EOFError:  # the server went away
         return
     except BaseException as e:
-        outputs.send(EngineDead(e))
+        for i in live:
+            with contextlib.suppress(OSError):
+                outputs[i].send(EngineDead(e))
         raise
     finally:
         engine.shutdown()  # (its tensor-parallel workers)
 
 
-class EngineProcess(_Background):
-    """The engine in a process of its own (spawned: CUDA does not survive a fork). Commands go
-    down one pipe; each step's outputs and metrics come up another, read on the server's event
-    loop (attach), which delivers them. Start-up errors (bad engine options) are raised here."""
+class EngineClient(_Background):
+    """An HTTP process's end of an engine process (EngineProcess starts one; `--api-server-count`
+    hands the others to HTTP processes of their own): commands go down one pipe; each step's
+    outputs of this client's requests and the engine's metrics come up another, read on the
+    server's event loop (attach), which delivers them. The first message up is EngineReady (or
+    EngineDead: bad engine options, raised here)."""
 
-    def __init__(self, engine_args: dict, on_step=None):
+    def __init__(self, commands, outputs, on_step=None):
         super().__init__(on_step)
-        ctx = multiprocessing.get_context("spawn")
-        commands, self._commands = ctx.Pipe(duplex=False)
-        self._outputs, outputs = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_engine_main, args=(engine_args, commands, outputs), name="picovllm-engine")
-        self._process.start()
-        commands.close()
-        outputs.close()
+        self._commands, self._outputs = commands, outputs
         try:
             ready = self._outputs.recv()
         except EOFError:  # it died before it could say why (its traceback, if any, is on stderr)
-            self._process.join()
-            raise RuntimeError(f"the engine process exited while starting (code {self._process.exitcode})") from None
+            raise RuntimeError(f"the engine process exited while starting{self._exit_code()}") from None
         if isinstance(ready, EngineDead):
-            self._process.join()
             raise ready.error
         self.vocab_size, self.max_model_len = ready.vocab_size, ready.max_model_len
         self.kv_role, self.block_size, self.kv_lease_s = ready.kv_role, ready.block_size, ready.kv_lease_s
         self.kv_compat = ready.kv_compat
         self.tokenizer = load_tokenizer(ready.tokenizer) if ready.tokenizer else None
         self._metrics: dict[str, int] = ready.metrics
+        self.num_running = 0  # (this client's requests in the running batch, as of the last step)
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop that reads the steps
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
+    def _exit_code(self) -> str:
+        return ""  # (the process is the server's: EngineProcess knows its exit code)
 
     def get_metrics(self) -> dict[str, int]:
         self.attach()
@@ -409,23 +467,29 @@ class EngineProcess(_Background):
                 self._commands.send(cmd)
         except OSError as e:  # the process is gone: nothing to abort; an add fails as a dead engine
             if isinstance(cmd, AddRequest):
-                raise EngineDeadError(f"the engine process has exited (code {self._process.exitcode})") from e
+                raise EngineDeadError(f"the engine process has exited{self._exit_code()}") from e
 
     def shutdown(self) -> None:
+        """Stop the engine process (every client's: the server is going)."""
         self._closing = True
         self._send(StopEngine())
-        self._process.join(timeout=10)
-        if self._process.is_alive():
-            self._process.kill()
         self._detach()
+
+    def close(self) -> None:
+        """This client's end (an HTTP process of a server with several, on its way out): the engine
+        aborts this client's requests and serves the others."""
+        self._closing = True
+        self._detach()
+        self._commands.close()
+        self._outputs.close()
 
     def _read(self) -> None:
         """Every step message waiting in the pipe (on the loop, when it is readable)."""
         try:
             while self._outputs.poll():
                 match self._outputs.recv():
-                    case EngineCoreOutputs(outs, metrics):
-                        self._metrics = metrics
+                    case EngineCoreOutputs(outs, metrics, num_running):
+                        self._metrics, self.num_running = metrics, num_running
                         self._deliver_step([out for o in outs if (out := self._output(o)) is not None])
                     case RequestsFailed(failed):
                         for request_id, _ in failed:
@@ -436,7 +500,7 @@ class EngineProcess(_Background):
         except EOFError:
             self._detach()
             if not self._closing:
-                self._fail(EngineDeadError(f"the engine process exited (code {self._process.exitcode})"))
+                self._fail(EngineDeadError(f"the engine process exited{self._exit_code()}"))
         except BaseException as e:
             self._detach()
             self._fail(e)
@@ -449,6 +513,67 @@ class EngineProcess(_Background):
         return out.request_output(*prompt)
 
 
-def start_background_engine(engine_args: dict, in_process: bool = False) -> AsyncEngine | EngineProcess:
-    """A server's engine: in a process of its own (the default), or on a thread of this one."""
-    return AsyncEngine(LLMEngine.from_engine_args(**engine_args)) if in_process else EngineProcess(engine_args)
+class EngineProcess(EngineClient):
+    """The engine in a process of its own (spawned: CUDA does not survive a fork), and this
+    process's client of it; api_server_count > 1 makes as many clients: the others' pipes
+    (clients(), for HTTP processes of their own) until release_clients()."""
+
+    def __init__(self, engine_args: dict, on_step=None, api_server_count: int = 1):
+        ctx = multiprocessing.get_context("spawn")
+        ends = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(api_server_count)]
+        self._process = ctx.Process(
+            target=_engine_main,
+            args=(engine_args, [cmd_in for (cmd_in, _), _ in ends], [out_in for _, (_, out_in) in ends]),
+            name="picovllm-engine",
+        )
+        self._process.start()
+        for (cmd_in, _), (_, out_in) in ends:
+            cmd_in.close()
+            out_in.close()
+        self._clients = [(cmd_out, out_out) for (_, cmd_out), (out_out, _) in ends[1:]]
+        try:
+            super().__init__(ends[0][0][1], ends[0][1][0], on_step)
+        except BaseException:
+            self._process.join()
+            self.release_clients()
+            raise
+
+    def _exit_code(self) -> str:
+        self._process.join(timeout=1)  # (it has closed its pipes: it is exiting, if not gone)
+        return f" (code {self._process.exitcode})"
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def clients(self) -> list[tuple]:
+        """(commands, outputs) pipe ends of the other clients: EngineClient(*pair) in their process."""
+        return self._clients
+
+    def release_clients(self) -> None:
+        """This process's copies of the other clients' pipes closed (once their processes have them)."""
+        for pair in self._clients:
+            for conn in pair:
+                conn.close()
+        self._clients = []
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+        self.release_clients()
+
+
+def start_background_engine(
+    engine_args: dict, in_process: bool = False, api_server_count: int = 1
+) -> AsyncEngine | EngineProcess:
+    """A server's engine: in a process of its own (the default; with a client for each of
+    api_server_count HTTP processes), or on a thread of this one."""
+    if in_process:
+        if api_server_count != 1:
+            raise ValueError(
+                "--api-server-count needs the engine in a process of its own: drop --disable-frontend-multiprocessing"
+            )
+        return AsyncEngine(LLMEngine.from_engine_args(**engine_args))
+    return EngineProcess(engine_args, api_server_count=api_server_count)

@@ -1,11 +1,15 @@
-"""Prometheus metrics of the server (names follow vLLM's, under picovllm:)."""
+"""Prometheus metrics of the server (names follow vLLM's, under picovllm:). A server of several
+HTTP processes (`--api-server-count`) keeps them in prometheus_client's multiprocess mode, as
+vLLM's does: the processes' counters and histograms summed, the engine's gauges (the same in
+each) as last set; PROMETHEUS_MULTIPROC_DIR is set before this module is first imported."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.core import HistogramMetricFamily
 
 from picovllm.engine.kv_handoff import GAUGES, METRICS, TRANSFER_TIME_BUCKETS
@@ -39,12 +43,11 @@ _LATENCY_BUCKETS = (
 class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("picovllm:num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge("picovllm:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge("picovllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", registry=r)
-        self.hit_rate = Gauge(
-            "picovllm:prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens.", registry=r
-        )
+        g = {"registry": r, "multiprocess_mode": "mostrecent"}  # (the engine's: the same in every process)
+        self.running = Gauge("picovllm:num_requests_running", "Requests in the running batch.", **g)
+        self.waiting = Gauge("picovllm:num_requests_waiting", "Requests waiting to be scheduled.", **g)
+        self.kv_usage = Gauge("picovllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", **g)
+        self.hit_rate = Gauge("picovllm:prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens.", **g)
         self.prompt_tokens = Counter("picovllm:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("picovllm:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("picovllm:request_success", "Finished requests.", ["finished_reason"], registry=r)
@@ -61,7 +64,7 @@ class ServerMetrics:
             registry=r,
         )
         self.engine_counts = {  # (a prefill or decode instance's, engine/kv_handoff.py; the host tier's)
-            name: Gauge(f"picovllm:{name}", help_, registry=r)
+            name: Gauge(f"picovllm:{name}", help_, **g)
             for name, help_ in {**METRICS, **GAUGES, **OFFLOAD_METRICS}.items()
         }
         self.transfer_time = _TransferTime()
@@ -86,12 +89,24 @@ class ServerMetrics:
         if "kv_transfer_time_buckets" in m:
             self.transfer_time.counts, self.transfer_time.sum = m["kv_transfer_time_buckets"], m["kv_transfer_time_sum"]
 
+    def exposition(self) -> CollectorRegistry:
+        """The registry /metrics shows: this one, or every HTTP process's (multiprocess mode)."""
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return self.registry
+        r = CollectorRegistry()
+        multiprocess.MultiProcessCollector(r)
+        r.register(self.transfer_time)
+        return r
+
     def snapshot(self, m: dict) -> dict:
-        """What the dashboard plots (entrypoints/web), from the engine's metrics m and these counters."""
-        value = self.registry.get_sample_value
-        finished = sum(
-            s.value for metric in self.requests.collect() for s in metric.samples if s.name.endswith("_total")
-        )
+        """What the dashboard plots (entrypoints/web), from the engine's metrics m and the counters
+        (every HTTP process's)."""
+        samples: dict[str, float] = {}
+        for metric in self.exposition().collect():
+            for sample in metric.samples:  # (summed over their labels)
+                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+        value = samples.get
+        finished = value("picovllm:request_success_total") or 0.0
         host = m.get("kv_offload_blocks_total")
         return {
             "running": m["num_running"],

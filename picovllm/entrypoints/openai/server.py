@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineClient
 from picovllm.entrypoints.openai.metrics import ServerMetrics
 from picovllm.entrypoints.openai.routers import admin, chat, completions, kv_transfer, tokenize
 from picovllm.entrypoints.openai.serving import (
@@ -70,7 +70,7 @@ def _param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-async def _pickups(engine: AsyncEngine | EngineProcess) -> None:
+async def _pickups(engine: AsyncEngine | EngineClient) -> None:
     """On the way out (the requests done): a prefill instance waits until decode instances have
     pulled the KV it holds, or its leases have ended (the engine ends them), as long as the engine
     lives."""
@@ -82,7 +82,7 @@ async def _pickups(engine: AsyncEngine | EngineProcess) -> None:
 
 
 def build_app(
-    engine: AsyncEngine | EngineProcess,
+    engine: AsyncEngine | EngineClient,
     served_model_name: str,
     api_key: str | None = None,
     sampling_defaults: dict | None = None,
@@ -101,7 +101,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if isinstance(engine, EngineProcess):  # its steps are read on this loop from the start
+        if isinstance(engine, EngineClient):  # its steps are read on this loop from the start
             engine.attach()
         async with history.sampling():
             yield

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from picovllm.engine.structured_output import check_structured_outputs
-from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineError, EngineProcess, RequestStream
+from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineClient, EngineError, RequestStream
 from picovllm.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.model_source.builtin import cache_root
@@ -89,7 +89,7 @@ def kv_transfer_secret(given: str | None = None) -> str:
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine | EngineProcess
+    engine: AsyncEngine | EngineClient
     served_model_name: str
     api_key: str | None
     sampling_defaults: dict
@@ -156,7 +156,7 @@ class ServerState:
         grammar checked (off the event loop; a 400 names structured_param, the field it came in)."""
         if self.max_num_waiting is not None:
             engine = self.engine
-            waiting = self.validating + engine.num_open_requests - engine.get_metrics().get("num_running", 0)
+            waiting = self.validating + engine.num_open_requests - engine.num_running
             if waiting >= self.max_num_waiting:
                 self.metrics.rejected.inc()
                 raise APIError(

@@ -21,7 +21,7 @@ async def health(state: State):
 
 @router.get("/metrics")
 async def metrics(state: State):
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(state.metrics.exposition()), media_type=CONTENT_TYPE_LATEST)
 
 
 @v1_router.get("/models")
