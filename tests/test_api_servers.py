@@ -141,3 +141,39 @@ def test_a_client_gone_has_its_requests_aborted_and_the_other_client_goes_on(tin
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_bench_serve_measures_each_http_process(tiny_qwen):
+    """`picovllm bench serve --api-server-count 2`: every request answered, the CPU per step of
+    each HTTP process reported, and nothing of its group left when it returns."""
+    import os
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "bench", "serve", "--model", tiny_qwen[0], "--device"]
+    cli += ["cpu", "--num-prompts", "16", "--concurrency", "8", "--input-len", "8", "--output-len", "8"]
+    proc = subprocess.Popen(
+        [*cli, "--api-server-count", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-2000:]
+    assert "16/16 requests" in out and "0 other failures" in out, out
+    cpu = re.search(r"CPU per step \(ms\): http ([\d.]+), http-1 ([\d.]+), engine-process ([\d.]+)", out)
+    assert cpu and all(float(x) > 0 for x in cpu.groups()), out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # (the group's last processes may take a moment to be reaped)
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("a process of bench serve's group outlived it")

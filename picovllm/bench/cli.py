@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import shutil
+import tempfile
 
 from picovllm.bench.common import progress
 from picovllm.config import resolve_device
@@ -156,6 +159,12 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="in-process server: the engine on a thread of the server's process (as `picovllm serve`)",
     )
+    srv.add_argument(
+        "--api-server-count",
+        type=positive_int,
+        default=1,
+        help="HTTP processes around the engine process, as `picovllm serve --api-server-count` (default 1)",
+    )
     srv.add_argument("--save-dir", default=None, help="write serve_results.json and serve_latency.png here")
     srv.add_argument("--seed", type=non_negative_int, default=0)
     srv.add_argument(
@@ -278,14 +287,23 @@ def _serve(args: argparse.Namespace) -> int:
     from picovllm.bench.serve import EngineProbe, run_serve_bench
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
 
-    name, url, stop, vocab = args.served_model_name, args.base_url, None, 30000
+    name, url, stop, vocab, count, others = args.served_model_name, args.base_url, None, 30000, 1, []
     if url is None:
+        count = args.api_server_count
+        if count > 1:  # (before prometheus_client is imported: as serve, cli.py)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="picovllm-metrics-")
+        from picovllm.entrypoints.cli import listen, start_http_processes
         from picovllm.entrypoints.openai.server import build_app, serve_in_thread
 
-        engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing)
+        engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing, count)
         name = name or args.model or "default"
         vocab = min(vocab, engine.vocab_size)
-        url, stop = serve_in_thread(build_app(engine, name, args.api_key, max_num_waiting=max_num_waiting(args)))
+        app_args = {"served_model_name": name, "api_key": args.api_key, "max_num_waiting": max_num_waiting(args)}
+        app_args["max_num_waiting"] = -(-app_args["max_num_waiting"] // count)
+        sock = listen("127.0.0.1", 0, reuse_port=count > 1)
+        url, stop = serve_in_thread(build_app(engine, **app_args), sock=sock)
+        if count > 1:
+            others = start_http_processes(engine, sock.getsockname()[:2], app_args, ("warning", False))
     try:
         with frozen_heap() if stop is not None else contextlib.nullcontext():  # (as picovllm serve)
             run_serve_bench(
@@ -301,10 +319,17 @@ def _serve(args: argparse.Namespace) -> int:
                 args.seed,
                 args.save_dir,
                 client_processes=args.client_processes,
-                probe=EngineProbe(engine) if stop is not None else None,
+                probe=EngineProbe(engine, others) if stop is not None else None,
             )
     finally:
+        for p in others:
+            p.terminate()  # (SIGTERM: it drains, and nothing is in flight)
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
         if stop is not None:
             stop()
             engine.shutdown()
+        if count > 1:
+            shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
     return 0

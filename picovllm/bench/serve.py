@@ -134,10 +134,10 @@ IDLE_GAP_S = 0.25  # an interval between steps this long or longer: the engine w
 class EngineProbe:
     """With the server in this process: the intervals between the engine's steps as the server
     sees them (through the engine's on_step hook), and the CPU time per step of the engine (its
-    thread, or its process) and of the HTTP thread: to tell engine-side stalls from HTTP-side
-    ones in the ITL."""
+    thread, or its process) and of the HTTP thread (and of the other HTTP processes, `others`): to
+    tell engine-side stalls from HTTP-side ones in the ITL."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, others: list = ()):
         self.starts: list[float] = []
         self._engine, self._inner = engine, engine.on_step
 
@@ -153,6 +153,8 @@ class EngineProbe:
             for t in threading.enumerate()
             if t.name in names
         }
+        for p in others:  # (serve's other HTTP processes: --api-server-count)
+            self._clocks[p.name.removeprefix("picovllm-")] = functools.partial(_process_cpu_s, p.pid)
         if getattr(engine, "pid", None) is not None:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
         self._cpu = {k: clock() for k, clock in self._clocks.items()}

@@ -28,7 +28,7 @@ GRACEFUL_SHUTDOWN_S = 5  # what open streams get to finish after Ctrl-C before t
 DRAIN_S = 300  # what in-flight requests get to finish after SIGTERM (no new connection is taken)
 
 
-def _listen(host: str, port: int, reuse_port: bool = False):
+def listen(host: str, port: int, reuse_port: bool = False):
     """A socket bound to host:port, for the server to take (_serve_http): a port in use is an
     error before the model loads, not after. ValueError when it cannot be bound. reuse_port: the
     port shared by the sockets of serve's HTTP processes (--api-server-count), each binding its
@@ -74,7 +74,7 @@ def _serve_http(
     others: list = (),
     quiet: bool = False,
 ) -> bool:
-    """uvicorn on sock (_listen), stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or
+    """uvicorn on sock (listen), stopping on Ctrl-C (open streams get GRACEFUL_SHUTDOWN_S) or
     draining on SIGTERM: it stops taking connections, and the requests in flight finish (within
     DRAIN_S); a prefill instance then also waits for its held KV to be pulled or its leases to
     end (server.py). With an engine, it also stops when the engine has died (its streams ended
@@ -398,8 +398,6 @@ def _serve(args: argparse.Namespace, count: int) -> int:
     (_http_process), all on one socket, each with a client of the engine process. Each HTTP
     process drains or stops on its own signals (Ctrl-C reaches them all); this one passes its own
     on, and stops them all when one of them, or the engine, has died."""
-    import multiprocessing
-
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
     from picovllm.entrypoints.openai.server import build_app
     from picovllm.model_source.builtin import DEFAULT_MODEL
@@ -407,7 +405,7 @@ def _serve(args: argparse.Namespace, count: int) -> int:
 
     defaults = {k: v for k, v in sampling_values(args).items() if k not in ("n", "logprobs", "ignore_eos")}
     SamplingParams(**defaults)  # invalid defaults fail here, not on every request
-    sock = _listen(args.host, args.port, reuse_port=count > 1)
+    sock = listen(args.host, args.port, reuse_port=count > 1)
     _say(f"loading {args.model or DEFAULT_MODEL}...")
     start = time.perf_counter()
     try:
@@ -428,24 +426,10 @@ def _serve(args: argparse.Namespace, count: int) -> int:
     }
     http_args = (args.log_level, not args.disable_uvicorn_access_log, args.disable_access_log_for_endpoints)
     app = build_app(engine, log_stats=not args.disable_log_stats, **app_args)
-    ctx = multiprocessing.get_context("spawn")
-    address = (args.host, sock.getsockname()[1])
-    started = [ctx.Event() for _ in range(count - 1)]
-    others = [
-        ctx.Process(target=_http_process, args=(pipes, address, app_args, http_args, up), name=f"picovllm-http-{i}")
-        for i, (pipes, up) in enumerate(zip(engine.clients() if count > 1 else [], started), 1)
-    ]
     try:
-        for p in others:
-            p.start()
-        engine.release_clients()
-        for p, up in zip(others, started):
-            while not up.wait(0.1):
-                if not p.is_alive():
-                    raise RuntimeError(f"HTTP process {p.name} exited while starting (code {p.exitcode})")
+        address = (args.host, sock.getsockname()[1])
+        others = start_http_processes(engine, address, app_args, http_args) if count > 1 else []
     except BaseException:
-        for p in others:
-            p.kill()
         engine.shutdown()
         sock.close()
         raise
@@ -465,6 +449,34 @@ def _serve(args: argparse.Namespace, count: int) -> int:
     return 0 if stopped else 1  # (1: the engine or an HTTP process died)
 
 
+def start_http_processes(engine, address: tuple[str, int], app_args: dict, http_args: tuple = ("info",)) -> list:
+    """serve's other HTTP processes (--api-server-count), one for each of the engine process's other
+    clients (EngineProcess.clients), listening on address (a port of SO_REUSEPORT sockets) once
+    this returns; the engine's copies of their pipes closed. RuntimeError if one exits first."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    pairs = engine.clients()
+    started = [ctx.Event() for _ in pairs]
+    others = [
+        ctx.Process(target=_http_process, args=(pipes, address, app_args, http_args, up), name=f"picovllm-http-{i}")
+        for i, (pipes, up) in enumerate(zip(pairs, started), 1)
+    ]
+    try:
+        for p in others:
+            p.start()
+        engine.release_clients()
+        for p, up in zip(others, started):
+            while not up.wait(0.1):
+                if not p.is_alive():
+                    raise RuntimeError(f"HTTP process {p.name} exited while starting (code {p.exitcode})")
+    except BaseException:
+        for p in others:
+            p.kill()
+        raise
+    return others
+
+
 def _http_process(pipes: tuple, address: tuple[str, int], app_args: dict, http_args: tuple, started) -> None:
     """One more HTTP process of serve's (--api-server-count): its own app and client of the engine
     process, on a socket of its own on serve's port (listening before it sets `started`), until
@@ -473,7 +485,7 @@ def _http_process(pipes: tuple, address: tuple[str, int], app_args: dict, http_a
     from picovllm.entrypoints.openai.server import build_app
 
     configure_logging()
-    sock = _listen(*address, reuse_port=True)
+    sock = listen(*address, reuse_port=True)
     engine = EngineClient(*pipes)
     app = build_app(engine, log_stats=False, **app_args)
     sock.listen(2048)  # (uvicorn's backlog)
@@ -494,7 +506,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if problems:
         _say("picovllm router: " + "\n".join(problems))
         return 1
-    sock = _listen(args.host, args.port)
+    sock = listen(args.host, args.port)
     app = build_router_app(
         args.prefill,
         args.decode,

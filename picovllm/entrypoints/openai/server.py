@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import threading
 import time
@@ -142,17 +143,22 @@ def build_app(
     return app
 
 
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> tuple[str, Callable[[], None]]:
-    """Run the app under uvicorn on a background thread (port 0: a free one); returns its URL and
-    a function that stops it. For tests and the serving benchmark."""
+def serve_in_thread(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None
+) -> tuple[str, Callable[[], None]]:
+    """Run the app under uvicorn on a background thread (port 0: a free one; or on sock, bound);
+    returns its URL and a function that stops it. For tests and the serving benchmark."""
     import uvicorn
 
-    if port == 0:
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+    elif port == 0:
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="picovllm-http", daemon=True)
+    run = server.run if sock is None else functools.partial(server.run, sockets=[sock])
+    thread = threading.Thread(target=run, name="picovllm-http", daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not server.started and thread.is_alive() and time.time() < deadline:
