@@ -395,7 +395,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, count: int) -> int:
     """serve's server: this process's HTTP server and count - 1 more in processes of their own
-    (_http_process), all on one socket, each with a client of the engine process. Each HTTP
+    (_http_process), all on one port, each with a client of the engine process. Each HTTP
     process drains or stops on its own signals (Ctrl-C reaches them all); this one passes its own
     on, and stops them all when one of them, or the engine, has died."""
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
