@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU run: the CUDA tests, the standard benchmarks, and a short table at the end.
 # Usage, from the repository root on a CUDA machine: bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix offload serve overload pd (default: all but pd; each fits a 10-minute call)
+#   stages: tests latency throughput prefix offload serve overload pd structured fp8 servers
+#   (default: the first seven; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
+#      TOKENIZER (structured: a tokenizer directory, e.g. the default model's, for a dummy model),
 #      HF_MODES (default "eager compiled": transformers at batch 1 beside the latency run),
 #      TREES="A B": each benchmark runs once per source tree, taking turns (an A/B of two checkouts).
 # Packages the machine lacks (the server's, the client's, NIXL's) are installed from wheels in .whl*/ folders
@@ -56,6 +58,14 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
             -p no:cacheprovider ${PD_TESTS:-tests/test_disaggregation.py tests/test_router.py} 2>&1 \
             | grep -v "NIXL INFO" | tee "$OUT/pd_tests.log" | tail -5
         bench pd pd --num-prompts ${PD_PROMPTS:-64} --concurrency 16 --input-len 1024 --output-len 128 ;;
+    structured) bench structured structured --tokenizer "${TOKENIZER:?structured needs TOKENIZER=DIR}" \
+                    --batch-size 64 --input-len 128 --output-len 256 --max-num-seqs 64 ;;
+    fp8) bench latency_bf16 latency --batch-sizes 1,8,128 --input-len 128 --output-len 256
+         bench latency_fp8 latency --batch-sizes 1,8,128 --input-len 128 --output-len 256 --quantization fp8 ;;
+    servers) for n in 1 2 4; do  # (serve's HTTP processes: --api-server-count)
+               bench "serve_x$n" serve --concurrency 64 --input-len 512 --output-len 128 --max-num-batched-tokens 128 \
+                   --max-num-seqs 64 --api-server-count $n
+             done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
@@ -99,4 +109,10 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
             print(f"{name:20s} {r['output_tok_s']:.0f} output tok/s, TTFT p50 {r['ttft_ms']['p50']:.1f} ms, "
                   f"ITL p50 {r['itl_ms']['p50']:.2f} p99 {r['itl_ms']['p99']:.2f} ms; {r['requests']} requests, "
                   f"{r['rejected_503']} 503s, {r['server_errors']} other 5xx; after: {r.get('engine_after')}")
+            cpu = ", ".join(f"{k} {v:.2f}" for k, v in r.get("cpu_ms_per_step", {}).items())
+            print(f"{name:20s} CPU ms per step: {cpu}")
+        elif r["benchmark"] == "structured":
+            a, b = r["runs"]
+            print(f"{name:20s} {a['ms_per_step']:.3f} ms/step unconstrained, {b['ms_per_step']:.3f} under a JSON schema "
+                  f"(x{b['vs_unconstrained']:.3f}); a typical schema compiles in {r['typical_schema_compile_ms']:.1f} ms")
 PY
