@@ -15,8 +15,8 @@ token is read and the bitmask filled, as SGLang's overlap scheduler does: the fo
 overlaps the host's work, only the sampling waits for it. The bitmask fills on a thread of its
 own while the engine processes the step's outputs (StepLauncher.take_tokens).
 
-JSON is constrained to its compact form (no free whitespace between tokens): a model can then
-not pad an answer with whitespace until max_tokens.
+JSON is constrained to one fixed form (`{"a": 1, "b": [2, 3]}`, xgrammar's without free
+whitespace): a model can then not pad an answer with whitespace until max_tokens.
 """
 
 from __future__ import annotations
