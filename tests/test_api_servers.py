@@ -177,3 +177,21 @@ def test_bench_serve_measures_each_http_process(tiny_qwen):
         time.sleep(0.2)
     else:
         raise AssertionError("a process of bench serve's group outlived it")
+
+
+def test_several_http_processes_need_the_engine_process_said_before_the_model_loads(tiny_qwen):
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "picovllm.entrypoints.cli", "serve", tiny_qwen[0]]
+    out = subprocess.run(
+        [*cli, "--api-server-count", "2", "--disable-frontend-multiprocessing"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "loading" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (
+        "picovllm serve: error: --api-server-count needs the engine in a process of its own: "
+        "drop --disable-frontend-multiprocessing"
+    )

@@ -380,8 +380,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import os
     import tempfile
 
+    from picovllm.entrypoints.openai.async_engine import check_api_server_count
+
     args.model = args.model_tag or args.model
     count = args.api_server_count
+    check_api_server_count(count, args.disable_frontend_multiprocessing)  # (before the model loads)
     if count > 1:  # (before prometheus_client is imported, here and in the HTTP processes, which inherit it)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="picovllm-metrics-")
     try:

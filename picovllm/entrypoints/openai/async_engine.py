@@ -570,10 +570,15 @@ def start_background_engine(
 ) -> AsyncEngine | EngineProcess:
     """A server's engine: in a process of its own (the default; with a client for each of
     api_server_count HTTP processes), or on a thread of this one."""
+    check_api_server_count(api_server_count, in_process)
     if in_process:
-        if api_server_count != 1:
-            raise ValueError(
-                "--api-server-count needs the engine in a process of its own: drop --disable-frontend-multiprocessing"
-            )
         return AsyncEngine(LLMEngine.from_engine_args(**engine_args))
     return EngineProcess(engine_args, api_server_count=api_server_count)
+
+
+def check_api_server_count(api_server_count: int, in_process: bool) -> None:
+    """ValueError unless api_server_count HTTP processes can have clients of the engine."""
+    if in_process and api_server_count != 1:
+        raise ValueError(
+            "--api-server-count needs the engine in a process of its own: drop --disable-frontend-multiprocessing"
+        )
