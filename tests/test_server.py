@@ -383,6 +383,7 @@ def test_serving_benchmark(server, tmp_path):
     assert engine.on_step == on_step
     cpu = summary["cpu_ms_per_step"]
     assert cpu["http"] > 0 and cpu["engine" if server[1] is not None else "engine-process"] > 0
+    assert 0 < summary["engine_host_ms_per_step"] < 10 * summary["engine_step_ms"]["mean"]
     assert (tmp_path / "serve_latency.png").exists()
     text = (tmp_path / "serve_results.json").read_text()
     saved = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # (strict JSON)

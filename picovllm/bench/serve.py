@@ -135,7 +135,8 @@ class EngineProbe:
     """With the server in this process: the intervals between the engine's steps as the server
     sees them (through the engine's on_step hook), and the CPU time per step of the engine (its
     thread, or its process) and of the HTTP thread (and of the other HTTP processes, `others`): to
-    tell engine-side stalls from HTTP-side ones in the ITL."""
+    tell engine-side stalls from HTTP-side ones in the ITL; and the engine's own host time per
+    step, its waits for the device left out."""
 
     def __init__(self, engine, others: list = ()):
         self.starts: list[float] = []
@@ -158,6 +159,7 @@ class EngineProbe:
         if getattr(engine, "pid", None) is not None:
             self._clocks["engine-process"] = functools.partial(_process_cpu_s, engine.pid)
         self._cpu = {k: clock() for k, clock in self._clocks.items()}
+        self._host = self._host_time()
 
     def settled(self, timeout_s: float = 10.0) -> dict:
         """The engine once nothing runs or waits (the aborts of requests whose clients went away
@@ -182,11 +184,20 @@ class EngineProbe:
         self._engine.on_step = self._inner
         steps = ms_stats(_busy_gaps(self.starts).tolist())
         cpu = {k: 1e3 * (clock() - self._cpu[k]) / max(len(self.starts), 1) for k, clock in self._clocks.items()}
+        (us0, n0), (us1, n1) = self._host, self._host_time()
+        host = (us1 - us0) / 1e3 / max(n1 - n0, 1)
         print(
             f"engine step interval (ms): {_stats_line(steps)}; CPU per step (ms): "
             + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+            + f"; the engine's host work per step, without its waits for the device: {host:.2f} ms"
         )
-        return {"engine_step_ms": steps, "cpu_ms_per_step": cpu}
+        return {"engine_step_ms": steps, "cpu_ms_per_step": cpu, "engine_host_ms_per_step": host}
+
+    def _host_time(self) -> tuple[int, int]:
+        """The engine's host time in its steps (us) and its steps (LLMEngine.get_metrics): a process
+        that waits for a GPU by spinning spends its CPU waiting too."""
+        m = self._engine.get_metrics()
+        return m["host_time_us"], m["num_steps"]
 
 
 def _busy_gaps(times: list[float]) -> np.ndarray:

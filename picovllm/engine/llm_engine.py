@@ -317,5 +317,7 @@ class LLMEngine:
         self.executor.shutdown()
 
     def get_metrics(self) -> dict[str, int]:
-        """The engine's counters and gauges (engine/stats.py)."""
-        return engine_stats(self.scheduler, self.kv_handoff, self.kv_block_bytes)
+        """The engine's counters and gauges (engine/stats.py), with its steps and their host time
+        (host_time_us: see step)."""
+        stats = engine_stats(self.scheduler, self.kv_handoff, self.kv_block_bytes)
+        return {**stats, "num_steps": self.num_steps, "host_time_us": round(1e6 * self.host_time_s)}
