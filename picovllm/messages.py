@@ -127,6 +127,17 @@ class EngineCoreOutputs:
     metrics: dict[str, int]
     num_running: int
 
+    def __reduce__(self):
+        """Pickled as plain tuples, rebuilt on the way in: a NamedTuple pickles through a reduce
+        call of its own, which for a step's 64 outputs cost more than the rest of sending them."""
+        rows = [(o[0], [tuple(c) for c in o[1]], *o[2:]) for o in self.outputs]
+        return _engine_core_outputs, (rows, self.metrics, self.num_running)
+
+
+def _engine_core_outputs(rows: list[tuple], metrics: dict[str, int], num_running: int) -> EngineCoreOutputs:
+    outputs = [EngineCoreOutput(r, [CompletionDelta._make(c) for c in cs], *rest) for r, cs, *rest in rows]
+    return EngineCoreOutputs(outputs, metrics, num_running)
+
 
 @dataclass(frozen=True)
 class RequestsFailed:
