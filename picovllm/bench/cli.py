@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import shutil
-import tempfile
+import signal
 
 from picovllm.bench.common import progress
 from picovllm.config import resolve_device
@@ -285,51 +283,43 @@ def _pd(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     sizes(args, on_cpu=False if args.base_url else None)  # (a running server's sizes: a GPU's)
     from picovllm.bench.serve import EngineProbe, run_serve_bench
+    from picovllm.entrypoints.cli import listen, multiprocess_metrics, start_http_processes, stop_processes
     from picovllm.entrypoints.openai.async_engine import frozen_heap, start_background_engine
 
-    name, url, stop, vocab, count, others = args.served_model_name, args.base_url, None, 30000, 1, []
-    if url is None:
-        count = args.api_server_count
-        if count > 1:  # (before prometheus_client is imported: as serve, cli.py)
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="picovllm-metrics-")
-        from picovllm.entrypoints.cli import listen, start_http_processes
-        from picovllm.entrypoints.openai.server import build_app, serve_in_thread
+    name, url, stop, vocab, others = args.served_model_name, args.base_url, None, 30000, []
+    count = args.api_server_count if url is None else 1
+    with multiprocess_metrics(count):
+        if url is None:
+            from picovllm.entrypoints.openai.server import build_app, serve_in_thread
 
-        engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing, count)
-        name = name or args.model or "default"
-        vocab = min(vocab, engine.vocab_size)
-        app_args = {"served_model_name": name, "api_key": args.api_key, "max_num_waiting": max_num_waiting(args)}
-        app_args["max_num_waiting"] = -(-app_args["max_num_waiting"] // count)
-        sock = listen("127.0.0.1", 0, reuse_port=count > 1)
-        url, stop = serve_in_thread(build_app(engine, **app_args), sock=sock)
-        if count > 1:
-            others = start_http_processes(engine, sock.getsockname()[:2], app_args, ("warning", False))
-    try:
-        with frozen_heap() if stop is not None else contextlib.nullcontext():  # (as picovllm serve)
-            run_serve_bench(
-                url,
-                name,
-                args.num_prompts,
-                args.concurrency,
-                args.request_rate,
-                args.input_len,
-                args.output_len,
-                vocab,
-                args.api_key,
-                args.seed,
-                args.save_dir,
-                client_processes=args.client_processes,
-                probe=EngineProbe(engine, others) if stop is not None else None,
-            )
-    finally:
-        for p in others:
-            p.terminate()  # (SIGTERM: it drains, and nothing is in flight)
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        if stop is not None:
-            stop()
-            engine.shutdown()
-        if count > 1:
-            shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
+            engine = start_background_engine(engine_kwargs(args), args.disable_frontend_multiprocessing, count)
+            name = name or args.model or "default"
+            vocab = min(vocab, engine.vocab_size)
+            app_args = {"served_model_name": name, "api_key": args.api_key, "max_num_waiting": max_num_waiting(args)}
+            sock = listen("127.0.0.1", 0, reuse_port=count > 1)
+            url, stop = serve_in_thread(build_app(engine, **app_args), sock=sock)
+            if count > 1:
+                others = start_http_processes(engine, sock.getsockname()[:2], app_args, ("warning", False))
+        try:
+            with frozen_heap() if stop is not None else contextlib.nullcontext():  # (as picovllm serve)
+                run_serve_bench(
+                    url,
+                    name,
+                    args.num_prompts,
+                    args.concurrency,
+                    args.request_rate,
+                    args.input_len,
+                    args.output_len,
+                    vocab,
+                    args.api_key,
+                    args.seed,
+                    args.save_dir,
+                    client_processes=args.client_processes,
+                    probe=EngineProbe(engine, others) if stop is not None else None,
+                )
+        finally:
+            stop_processes(others, signal.SIGTERM, 30)  # (SIGTERM: they drain, and nothing is in flight)
+            if stop is not None:
+                stop()
+                engine.shutdown()
     return 0

@@ -131,7 +131,10 @@ def queue_parser() -> argparse.ArgumentParser:
 
 
 def max_num_waiting(args: argparse.Namespace) -> int:
-    return args.max_num_waiting if args.max_num_waiting is not None else 8 * args.max_num_seqs
+    """The requests each HTTP process lets wait: --max-num-waiting (default 8 x --max-num-seqs),
+    split between the --api-server-count processes (rounded up)."""
+    total = args.max_num_waiting if args.max_num_waiting is not None else 8 * args.max_num_seqs
+    return -(-total // getattr(args, "api_server_count", 1))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

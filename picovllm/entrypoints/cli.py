@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import shutil
 import sys
+import tempfile
 import time
 
 from picovllm import envs
@@ -84,7 +88,6 @@ def _serve_http(
     uvicorn raises the signal that stopped it again once it has stopped: here that is the end,
     said in one line (quiet: nothing said, serve's own process says it). access_log: uvicorn's
     line for each request, less those for quiet_paths (comma-separated)."""
-    import os
     import signal
 
     import uvicorn
@@ -133,12 +136,10 @@ def _serve_http(
         signal.signal(signal.SIGTERM, before)
         logging.getLogger("uvicorn.access").removeFilter(access)
         sock.close()
-        for p in others:
-            if not server.draining and p.is_alive():
-                os.kill(p.pid, signal.SIGINT)
-            p.join(timeout=(DRAIN_S if server.draining else GRACEFUL_SHUTDOWN_S) + 10)
-            if p.is_alive():
-                p.kill()
+        if server.draining:  # (they have had the SIGTERM)
+            stop_processes(others, None, DRAIN_S + 10)
+        else:
+            stop_processes(others, signal.SIGINT, GRACEFUL_SHUTDOWN_S + 10)
     if stopped:
         say("stopped")
     return not server.died
@@ -377,23 +378,39 @@ def _chat_turn(engine, history: list[dict], params, tools: list[dict] | None) ->
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
-    import tempfile
-
     from picovllm.entrypoints.openai.async_engine import check_api_server_count
 
     args.model = args.model_tag or args.model
     count = args.api_server_count
     check_api_server_count(count, args.disable_frontend_multiprocessing)  # (before the model loads)
-    if count > 1:  # (before prometheus_client is imported, here and in the HTTP processes, which inherit it)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="picovllm-metrics-")
-    try:
+    with multiprocess_metrics(count):
         return _serve(args, count)
-    finally:
-        if count > 1:
-            import shutil
 
-            shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
+
+@contextlib.contextmanager
+def multiprocess_metrics(count: int):
+    """With count > 1 HTTP processes, their Prometheus metrics in a directory of their own
+    (prometheus_client's multiprocess mode, metrics.py), removed on the way out. Entered before
+    prometheus_client is first imported, here and in the HTTP processes, which inherit it."""
+    if count == 1:
+        yield
+        return
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="picovllm-metrics-")
+    try:
+        yield
+    finally:
+        shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
+
+
+def stop_processes(procs: list, sig: int | None, wait_s: float) -> None:
+    """Each of procs sent sig if it is alive (None: it has had its signal), waited for up to
+    wait_s, then killed."""
+    for p in procs:
+        if sig is not None and p.is_alive():
+            os.kill(p.pid, sig)
+        p.join(timeout=wait_s)
+        if p.is_alive():
+            p.kill()
 
 
 def _serve(args: argparse.Namespace, count: int) -> int:
@@ -422,7 +439,7 @@ def _serve(args: argparse.Namespace, count: int) -> int:
         "api_key": args.api_key,
         "sampling_defaults": defaults,
         "web_ui": not args.disable_web_ui,
-        "max_num_waiting": -(-max_num_waiting(args) // count),
+        "max_num_waiting": max_num_waiting(args),
         "kv_secret": args.kv_transfer_secret,
         "tool_call_parser": args.tool_call_parser,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
