@@ -116,3 +116,34 @@ def start_cli_server(*args: str, timeout: float = 60):
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"picovllm {' '.join(args)} did not start: {proc.communicate()[1][-2000:]}")
+
+
+def stop_cli_server(proc, how: str, timeout: float = 30, reap_s: float = 10) -> tuple[int, str]:
+    """Signal `how` (SIGINT, SIGTERM) to a start_cli_server process: (its exit code, its stderr),
+    once it has exited and every process it had started is gone (asserted, within reap_s)."""
+    import signal
+
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(getattr(signal, how))
+    code = proc.wait(timeout=timeout)
+    err = proc.stderr.read()
+    gone, alive = psutil.wait_procs(children, timeout=reap_s)
+    assert not alive, alive
+    return code, err
+
+
+def assert_group_gone(pgid: int, what: str, timeout: float = 10) -> None:
+    """Every process of the group pgid has ended within timeout (the last may take a moment to be
+    reaped)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"a process of {what}'s group outlived it")

@@ -9,7 +9,7 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import engine_args, start_cli_server
+from conftest import assert_group_gone, engine_args, start_cli_server, stop_cli_server
 
 from picovllm.entrypoints.openai.async_engine import EngineClient, EngineProcess
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -28,17 +28,6 @@ def _http_processes(proc, port: int, count: int = 2) -> list[psutil.Process]:
         if len(listening) == count or time.monotonic() > deadline:
             return listening
         time.sleep(0.05)
-
-
-def _stop(proc, how: str) -> str:
-    children = psutil.Process(proc.pid).children(recursive=True)
-    proc.send_signal(getattr(signal, how))
-    code = proc.wait(timeout=60)
-    err = proc.stderr.read()
-    gone, alive = psutil.wait_procs(children, timeout=15)
-    assert not alive, alive
-    assert code == 0, err[-2000:]
-    return err
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
@@ -86,7 +75,8 @@ def test_two_http_processes_share_the_port_the_engine_and_the_metrics(tiny_qwen,
         metrics = httpx.get(url + "/metrics").text
         assert 'picovllm:request_success_total{finished_reason="length"} 32.0' in metrics, metrics
         assert "picovllm:generation_tokens_total 768.0" in metrics
-        err = _stop(proc, how)
+        code, err = stop_cli_server(proc, how, timeout=60, reap_s=15)
+        assert code == 0, err[-2000:]
         assert "2 HTTP processes" in err and err.rstrip().endswith("stopped") and err.count("stopped") == 1
         assert "Traceback" not in err, err[-2000:]
     finally:
@@ -168,15 +158,7 @@ def test_bench_serve_measures_each_http_process(tiny_qwen):
     assert "16/16 requests" in out and "0 other failures" in out, out
     cpu = re.search(r"CPU per step \(ms\): http ([\d.]+), http-1 ([\d.]+), engine-process ([\d.]+)", out)
     assert cpu and all(float(x) > 0 for x in cpu.groups()), out
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # (the group's last processes may take a moment to be reaped)
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("a process of bench serve's group outlived it")
+    assert_group_gone(proc.pid, "bench serve")
 
 
 def test_several_http_processes_need_the_engine_process_said_before_the_model_loads(tiny_qwen):

@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+from conftest import assert_group_gone
 
 from picovllm.bench.latency import run_latency
 from picovllm.bench.prefix import run_prefix
@@ -193,12 +194,4 @@ def test_ctrl_c_stops_bench_serve_in_one_line_and_leaves_no_process(tiny_qwen):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert rest.strip() == "interrupted", rest
-    deadline = time.time() + 10
-    while time.time() < deadline:  # (the group's last processes may take a moment to be reaped)
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("a process of bench serve's group outlived it")
+    assert_group_gone(proc.pid, "bench serve")
