@@ -264,8 +264,6 @@ class LLMEngine:
         if not self.groups:
             self.launcher.reset()  # nothing left to read from a step launched ahead
             self.executor.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)
-        else:
-            self.launcher.sample_deferred()  # (the step launched ahead, if its grammars waited for these tokens)
         if self.debug_invariants:
             self.check_invariants()
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)

@@ -106,14 +106,19 @@ class StepLauncher:
 
     def next_step(self) -> LaunchedStep | None:
         """The step whose tokens to read now: the one launched ahead, else one launched now (None:
-        nothing to run); with async scheduling, the step after it is launched before returning."""
+        nothing to run); with async scheduling, the step after it is launched before returning.
+        A step launched ahead whose grammars waited for the last tokens samples here, just before
+        the step after it launches (sample_deferred): its bitmask filled meanwhile, while the
+        host processed those tokens and scheduled this step."""
         step = self.inflight
         if step is None:
             batch = self.schedule(None)
             if batch is None:
                 return None
-            step = self.launch(batch)
-        self.inflight = self.launch_ahead(step) if self.async_scheduling else None
+            _, step = self.launch(batch)
+        self.inflight = None
+        if self.async_scheduling:
+            step, self.inflight = self.launch_ahead(step)
         return step
 
     def schedule(self, decodes: list[Request] | None) -> ScheduledBatch | None:
@@ -135,17 +140,25 @@ class StepLauncher:
         self.inflight, self._last_sampling, self._filling = None, None, None
 
     def launch(
-        self, batch: ScheduledBatch, num_pending: int = 0, pending_rows: list[int] | None = None
-    ) -> LaunchedStep:
+        self,
+        batch: ScheduledBatch,
+        num_pending: int = 0,
+        pending_rows: list[int] | None = None,
+        before: LaunchedStep | None = None,
+    ) -> tuple[LaunchedStep | None, LaunchedStep]:
         """Launch the batch's forward; its first num_pending rows decode the tokens the step
-        before sampled (rows pending_rows of them; None: all), still on the device. A step
-        launched so whose sampling rows include a grammar's samples once those tokens are read
-        and its bitmask filled (sample_deferred): the forward runs meanwhile."""
+        `before` sampled (rows pending_rows of them; None: all), still on the device: `before`
+        samples first if it was deferred, once its inputs are built (returned, sampled, with the
+        step launched). A step launched so whose sampling rows include a grammar's samples once
+        those tokens are read and its bitmask filled (sample_deferred): the forward runs
+        meanwhile."""
         step = step_inputs(batch, num_pending, self.block_manager.take_copies())
         # the requests whose last token this step computes (step.sample): each samples one token
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         defer = num_pending > 0 and any(r.grammar is not None for r in reqs)
         sampling = self._sampling_batch(reqs, defer) if reqs else None
+        if before is not None:
+            before = self.sample_deferred(before)
         out = self.executor.execute_step(ExecuteStep(step, num_pending, pending_rows), sampling, defer)
         number = self.block_manager.step_launched()
         prompt_rows = [
@@ -153,25 +166,25 @@ class StepLauncher:
         ]
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        return LaunchedStep(batch, reqs, out, number, defer, prompt_rows)
+        return before, LaunchedStep(batch, reqs, out, number, defer, prompt_rows)
 
     def take_tokens(self, reqs: list[Request], tokens: list[int]) -> list[str | None]:
         """A step's tokens, read: its rows' grammars take them (accept_tokens: what each row's
         grammar ends it with), then the bitmask of the step launched ahead starts filling, on the
-        filler's thread (BitmaskFiller.start), while the engine processes the tokens."""
+        filler's thread (BitmaskFiller.start), while the engine processes the tokens and
+        schedules the next step (next_step)."""
         ends = accept_tokens(reqs, tokens)
         step = self.inflight
         if step is not None and step.deferred:
             self._filling = self.filler.start(step.reqs)
         return ends
 
-    def sample_deferred(self) -> None:
-        """The step launched ahead samples under its bitmask (take_tokens', once it is filled)."""
-        step = self.inflight
-        if step is not None and step.deferred:
-            bitmask, self._filling = self._filling.result(), None
-            out = self.executor.sample_deferred(bitmask)
-            self.inflight = step._replace(out=out, deferred=False)
+    def sample_deferred(self, step: LaunchedStep) -> LaunchedStep:
+        """step, sampled: under its bitmask (take_tokens', once it is filled) if it was deferred."""
+        if not step.deferred:
+            return step
+        bitmask, self._filling = self._filling.result(), None
+        return step._replace(out=self.executor.sample_deferred(bitmask), deferred=False)
 
     def _sampling_batch(self, reqs: list[Request], deferred: bool = False) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
@@ -197,25 +210,30 @@ class StepLauncher:
         self._last_sampling = (reqs, batch) if static else None
         return batch
 
-    def launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
-        """Launch the step that follows `step` before its tokens are read, when its schedule does
-        not depend on them (Scheduler.schedule_ahead): the requests that sampled in `step` decode
-        the tokens it sampled, the others' prompt chunks and new admissions follow; not when a
+    def launch_ahead(self, step: LaunchedStep) -> tuple[LaunchedStep, LaunchedStep | None]:
+        """step (sampled, if it was deferred) and the step that follows it, launched before
+        step's tokens are read when its schedule does not depend on them
+        (Scheduler.schedule_ahead), else None: the requests that sampled in `step` decode the
+        tokens it sampled, the others' prompt chunks and new admissions follow; not when a
         request's sampling depends on its output so far (penalties, a min_tokens ban; a grammar's
         bitmask waits for the tokens instead: launch's defer)."""
+        batch, rows = self._schedule_ahead(step)
+        if batch is None:
+            return self.sample_deferred(step), None
+        self.num_launched_ahead += 1
+        return self.launch(batch, len(rows), rows if len(rows) < len(step.reqs) else None, before=step)
+
+    def _schedule_ahead(self, step: LaunchedStep) -> tuple[ScheduledBatch | None, list[int]]:
+        """The batch to launch after `step` (launch_ahead), and the rows of step's samples it decodes."""
         reqs = step.reqs
         if not reqs:
-            return None
+            return None, []
         running = set(map(id, self.scheduler.running))
         if any(id(r) not in running or _reads_output(r) for r in reqs):
-            return None
+            return None, []
         # a request whose token in flight is its last (max_tokens, max_model_len) finishes
         # whatever that token is: it does not go on
         rows = [i for i, r in enumerate(reqs) if not at_length_limit(r, pending=1)]
         if not rows:
-            return None
-        batch = self.schedule([reqs[i] for i in rows])
-        if batch is None:
-            return None
-        self.num_launched_ahead += 1
-        return self.launch(batch, len(rows), rows if len(rows) < len(reqs) else None)
+            return None, []
+        return self.schedule([reqs[i] for i in rows]), rows

@@ -13,7 +13,8 @@ last token on the host; with async scheduling, a step launched ahead of that tok
 forward at once and samples later (StepLauncher.launch's defer, then sample_deferred), once the
 token is read and the bitmask filled, as SGLang's overlap scheduler does: the forward still
 overlaps the host's work, only the sampling waits for it. The bitmask fills on a thread of its
-own while the engine processes the step's outputs (StepLauncher.take_tokens).
+own while the engine processes the step's outputs and schedules the next one; the sampling
+launches just before that one does (StepLauncher.take_tokens, next_step).
 
 JSON is constrained to one fixed form (`{"a": 1, "b": [2, 3]}`, xgrammar's without free
 whitespace): a model can then not pad an answer with whitespace until max_tokens.
