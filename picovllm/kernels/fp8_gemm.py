@@ -125,8 +125,10 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     benchmarks/README.md's FP8 section): below the rounding of a bf16 or fp16 output, not of an
     fp32 one; smaller tiles sum in fp32 (mma)."""
     block_m = max(16, min(32 if exact else 64, next_pow2(m)))
-    block_n = 16 if n <= 2048 and block_m < 64 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, num_warps=4, num_stages=5 if block_m < 64 else 3)
+    if block_m == 64:  # (the sweep at 128 rows: 512-deep tiles, the wide gate_up 64 rows by 128)
+        wide = n > 2048
+        return dict(BLOCK_M=64, BLOCK_N=64 if wide else 32, BLOCK_K=128 if wide else 512, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
 
 
 def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
