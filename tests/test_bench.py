@@ -195,3 +195,16 @@ def test_ctrl_c_stops_bench_serve_in_one_line_and_leaves_no_process(tiny_qwen):
             os.killpg(proc.pid, signal.SIGKILL)
     assert rest.strip() == "interrupted", rest
     assert_group_gone(proc.pid, "bench serve")
+
+
+def test_host_phases_times_the_engines_functions():
+    """benchmarks/host_phases.py wraps engine functions by name: each one is there, and a renamed
+    one fails here rather than leaving the script timing nothing."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "host_phases.py")
+    spec = importlib.util.spec_from_file_location("host_phases", path)
+    phases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(phases)
+    missing = [(owner, name) for owner, name in phases.PHASES if not callable(getattr(owner, name, None))]
+    assert len(phases.PHASES) >= 20 and missing == []
