@@ -35,7 +35,7 @@ def test_a_long_prompt_is_chunked_and_mixed_with_decodes(tiny_qwen):
     for _ in range(4):
         batch = engine.scheduler.schedule()
         steps.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
-        launched = engine.launcher.launch(batch)  # the forward; the requests that sample and their tokens
+        _, launched = engine.launcher.launch(batch)  # the forward; the requests that sample and their tokens
         tokens = launched.out.sampled.sampled.tolist()
         engine.output_processor.process(launched.reqs, tokens, launched.out.sampled, [None] * len(tokens))
         sampled_by.append([r.request_id for r in launched.reqs])
