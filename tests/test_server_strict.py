@@ -80,7 +80,8 @@ def test_a_bad_prompt_in_a_list_starts_none_of_them(server):
 
     def record(e, outputs):
         steps.append({out.request_id[-2:] for out in outputs})
-        on_step(e, outputs)
+        if on_step is not None:
+            on_step(e, outputs)
 
     engine.on_step = record
     try:
@@ -329,11 +330,14 @@ def test_the_server_logs_its_throughput_every_few_seconds_not_while_idle(monkeyp
 
 def test_each_completion_counts_once_in_the_success_counter_and_the_latencies():
     """n = 2: two requests finished, two times to first token, two end-to-end latencies (as vLLM
-    counts its child requests), whatever steps their tokens came in."""
+    counts its child requests), whatever steps their tokens came in. The engine's gauges are what
+    its metrics say when they are collected."""
     from picovllm.entrypoints.openai.metrics import ServerMetrics
     from picovllm.outputs import CompletionOutput, RequestOutput
 
-    metrics = ServerMetrics()
+    engine = {"num_running": 3, "num_waiting": 1, "kv_blocks_free": 30, "kv_blocks_total": 40}
+    engine |= {"prefix_cache_hit_tokens": 5, "prefix_cache_queried_tokens": 20, "kv_transfers_started": 2}
+    metrics = ServerMetrics(lambda: engine)
     tracker = metrics.track()
     steps = [([5], []), ([6], [7]), ([], [8])]  # (completion 0's new tokens, completion 1's)
     for i, (a, b) in enumerate(steps):
@@ -349,6 +353,12 @@ def test_each_completion_counts_once_in_the_success_counter_and_the_latencies():
     assert value("picovllm:e2e_request_latency_seconds_count") == 2
     assert value("picovllm:time_to_first_token_seconds_count") == 2
     assert value("picovllm:generation_tokens_total") == 4 and value("picovllm:prompt_tokens_total") == 3
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate")
+    assert [value(f"picovllm:{g}") for g in gauges] == [3, 1, 0.25, 0.25]
+    assert value("picovllm:kv_transfers_started") == 2
+    engine.update(num_running=0, kv_blocks_free=40)
+    assert value("picovllm:num_requests_running") == 0 and value("picovllm:kv_cache_usage_perc") == 0
+    assert value("picovllm:kv_transfer_time_seconds_count") is None  # (a decode instance's alone)
 
 
 def test_access_log_leaves_out_the_paths_it_is_told(tiny_qwen):

@@ -8,8 +8,8 @@ pipes of its own (EngineClient), and gets the outputs of the requests it sent.
 Both validate prompts off the event loop, take requests and aborts from HTTP handlers, deliver
 each request's RequestOutputs (in its params' output kind; the server asks for DELTA) on an asyncio
 queue (loop.call_soon_threadsafe, once per step for all the streams of a loop), abort a request
-whose consumer stops early, and call on_step(self, outputs) after each step (metrics;
-get_metrics() is the engine's).
+whose consumer stops early, and call on_step(self, outputs) after each step when it is set
+(bench serve's probe; the server's metrics read get_metrics(), the engine's, when scraped).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class _Background:
     kv_lease_s: float
 
     def __init__(self, on_step=None):
-        self.on_step = on_step  # called after each step with (self, outputs): metrics
+        self.on_step = on_step  # called after each step with (self, outputs) (bench serve)
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
 

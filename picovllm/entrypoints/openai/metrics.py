@@ -1,16 +1,19 @@
-"""Prometheus metrics of the server (names follow vLLM's, under picovllm:). A server of several
-HTTP processes (`--api-server-count`) keeps them in prometheus_client's multiprocess mode, as
-vLLM's does: the processes' counters and histograms summed, the engine's gauges (the same in
-each) as last set; PROMETHEUS_MULTIPROC_DIR is set before this module is first imported."""
+"""Prometheus metrics of the server (names follow vLLM's, under picovllm:): the server's own
+counters and histograms, updated per request, and the engine's gauges and KV-transfer histogram,
+read from the engine's metrics when /metrics is scraped (nothing per step). A server of several
+HTTP processes (`--api-server-count`) keeps its counters and histograms in prometheus_client's
+multiprocess mode, as vLLM's does, the processes' summed; PROMETHEUS_MULTIPROC_DIR is set before
+this module is first imported. The engine's values are the same in every process."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import time
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from picovllm.engine.kv_handoff import GAUGES, METRICS, TRANSFER_TIME_BUCKETS
 from picovllm.engine.stats import OFFLOAD_METRICS
@@ -41,13 +44,12 @@ _LATENCY_BUCKETS = (
 
 
 class ServerMetrics:
-    def __init__(self):
+    """engine_metrics: the engine's metrics as of its last step (LLMEngine.get_metrics' dict)."""
+
+    def __init__(self, engine_metrics: Callable[[], dict]):
         r = self.registry = CollectorRegistry()
-        g = {"registry": r, "multiprocess_mode": "mostrecent"}  # (the engine's: the same in every process)
-        self.running = Gauge("picovllm:num_requests_running", "Requests in the running batch.", **g)
-        self.waiting = Gauge("picovllm:num_requests_waiting", "Requests waiting to be scheduled.", **g)
-        self.kv_usage = Gauge("picovllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.", **g)
-        self.hit_rate = Gauge("picovllm:prefix_cache_hit_rate", "Prefix-cache hits / queried prompt tokens.", **g)
+        self.engine = _EngineMetrics(engine_metrics)
+        r.register(self.engine)
         self.prompt_tokens = Counter("picovllm:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("picovllm:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("picovllm:request_success", "Finished requests.", ["finished_reason"], registry=r)
@@ -63,12 +65,6 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.engine_counts = {  # (a prefill or decode instance's, engine/kv_handoff.py; the host tier's)
-            name: Gauge(f"picovllm:{name}", help_, **g)
-            for name, help_ in {**METRICS, **GAUGES, **OFFLOAD_METRICS}.items()
-        }
-        self.transfer_time = _TransferTime()
-        r.register(self.transfer_time)
         self.e2e = Histogram(
             "picovllm:e2e_request_latency_seconds",
             "Request latency, arrival to last token.",
@@ -76,26 +72,13 @@ class ServerMetrics:
             registry=r,
         )
 
-    def on_step(self, engine, outputs) -> None:
-        """Called after each step (on the engine thread, or on the event loop reading the engine process)."""
-        m = engine.get_metrics()
-        self.running.set(m["num_running"])
-        self.waiting.set(m["num_waiting"])
-        self.kv_usage.set(_kv_usage(m))
-        self.hit_rate.set(_hit_rate(m))
-        for name, gauge in self.engine_counts.items():
-            if name in m:
-                gauge.set(m[name])
-        if "kv_transfer_time_buckets" in m:
-            self.transfer_time.counts, self.transfer_time.sum = m["kv_transfer_time_buckets"], m["kv_transfer_time_sum"]
-
     def exposition(self) -> CollectorRegistry:
         """The registry /metrics shows: this one, or every HTTP process's (multiprocess mode)."""
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
             return self.registry
         r = CollectorRegistry()
         multiprocess.MultiProcessCollector(r)
-        r.register(self.transfer_time)
+        r.register(self.engine)
         return r
 
     def snapshot(self, m: dict) -> dict:
@@ -136,24 +119,36 @@ def _hit_rate(m: dict) -> float:
     return m["prefix_cache_hit_tokens"] / max(m["prefix_cache_queried_tokens"], 1)
 
 
-class _TransferTime:
-    """picovllm:kv_transfer_time_seconds, the engine's histogram of completed KV pulls (kept by the
-    engine, engine/kv_handoff.py: the server shows its last counts)."""
+class _EngineMetrics:
+    """The engine's gauges, and picovllm:kv_transfer_time_seconds, its histogram of completed KV
+    pulls (kept by the engine, engine/kv_handoff.py), from its metrics at collection time."""
 
-    def __init__(self):
-        self.counts: list[int] | None = None
-        self.sum = 0.0
+    DERIVED = {  # name -> (help, its value from the engine's metrics)
+        "num_requests_running": ("Requests in the running batch.", lambda m: m["num_running"]),
+        "num_requests_waiting": ("Requests waiting to be scheduled.", lambda m: m["num_waiting"]),
+        "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use.", lambda m: _kv_usage(m)),
+        "prefix_cache_hit_rate": ("Prefix-cache hits / queried prompt tokens.", lambda m: _hit_rate(m)),
+    }
+    COUNTS = {**METRICS, **GAUGES, **OFFLOAD_METRICS}  # (a prefill or decode instance's; the host tier's)
+
+    def __init__(self, engine_metrics: Callable[[], dict]):
+        self.engine_metrics = engine_metrics
 
     def collect(self):
-        if self.counts is None:
-            return
-        bounds = [str(b) for b in TRANSFER_TIME_BUCKETS] + ["+Inf"]
-        yield HistogramMetricFamily(
-            "picovllm:kv_transfer_time_seconds",
-            "Time from a KV pull's start to its end, completed pulls (decode instance).",
-            buckets=list(zip(bounds, itertools.accumulate(self.counts))),
-            sum_value=self.sum,
-        )
+        m = self.engine_metrics()
+        for name, (help_, value) in self.DERIVED.items():
+            yield GaugeMetricFamily(f"picovllm:{name}", help_, value=value(m))
+        for name, help_ in self.COUNTS.items():
+            if name in m:
+                yield GaugeMetricFamily(f"picovllm:{name}", help_, value=m[name])
+        if "kv_transfer_time_buckets" in m:
+            bounds = [str(b) for b in TRANSFER_TIME_BUCKETS] + ["+Inf"]
+            yield HistogramMetricFamily(
+                "picovllm:kv_transfer_time_seconds",
+                "Time from a KV pull's start to its end, completed pulls (decode instance).",
+                buckets=list(zip(bounds, itertools.accumulate(m["kv_transfer_time_buckets"]))),
+                sum_value=m["kv_transfer_time_sum"],
+            )
 
 
 class RequestTracker:

@@ -109,8 +109,7 @@ def build_app(
             await _pickups(engine)
 
     app = FastAPI(title="Pico-vLLM OpenAI-compatible server", lifespan=lifespan)
-    metrics = ServerMetrics()
-    engine.on_step = metrics.on_step
+    metrics = ServerMetrics(engine.get_metrics)
     secret = kv_transfer_secret(kv_secret) if engine.kv_role != "both" else None
     app.state.server = ServerState(
         engine,
