@@ -28,8 +28,12 @@ def test_latency_with_hf_baseline(tiny_qwen, capsys, tmp_path):
     for r in rows:
         assert r["decode_tok_s"] > 0 and 0 < r["bw_frac"]
         assert abs(r["decode_tok_s"] - r["batch"] * 1e3 / r["ms_per_step"]) < 1e-6 * r["decode_tok_s"]
+        # (the TTFT against its floor: the same prompts' floor for both systems, larger at batch 3)
+        assert abs(r["ttft_x_floor"] - r["ttft_ms"] / r["ttft_floor_ms"]) < 1e-9 * r["ttft_x_floor"]
+    floors = [r["ttft_floor_ms"] for r in rows]
+    assert 0 < floors[0] == floors[1] < floors[2] == floors[3]
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert json.loads(last)["benchmark"] == "latency"
+    assert json.loads(last)["benchmark"] == "latency" and json.loads(last)["matmul_tflop_s"] > 0
 
 
 def test_throughput(tiny_qwen, capsys):

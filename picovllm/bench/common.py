@@ -90,6 +90,25 @@ def decode_bytes_per_step(model: torch.nn.Module, batch: int, context: int, kv_b
     return total + batch * context * kv_bytes_per_token
 
 
+class Floors:
+    """A prompt's forward's time floor on this device (its time to first token, were nothing else
+    in the way): the larger of its FLOPs at the measured GEMM throughput and its bytes (the
+    weights once, the sequences' KV) at the measured copy bandwidth."""
+
+    def __init__(self, llm):
+        engine = llm.llm_engine
+        self.model = engine.executor.driver.model_runner.model
+        self.kv_token_bytes = engine.kv_block_bytes // engine.config.block_size
+        self.flop_s = matmul_flops(engine.device, engine.dtype)
+        self.byte_s = copy_bandwidth(engine.device)
+
+    def seconds(self, prompt_len: int, cached: int = 0, batch: int = 1) -> float:
+        """batch prompts of prompt_len tokens, the first `cached` of each cached, in one forward."""
+        nbytes = decode_bytes_per_step(self.model, batch, prompt_len, self.kv_token_bytes)
+        flops = batch * forward_flops(self.model, prompt_len - cached, cached)
+        return max(flops / self.flop_s, nbytes / self.byte_s)
+
+
 def progress(text: str) -> None:
     """A line on stderr saying what the benchmark runs now (a run takes minutes on a CPU)."""
     print(f"[bench] {text}", file=sys.stderr, flush=True)

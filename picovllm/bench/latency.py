@@ -1,5 +1,7 @@
 """`picovllm bench latency`: decode speed at fixed batch sizes against the memory-bandwidth
-ceiling, optionally beside Hugging Face transformers on the same model, dtype and device."""
+ceiling, and the time to first token against its floor (bench/common.py's Floors: the prompts'
+FLOPs at the measured GEMM rate, or their bytes at the copy bandwidth), optionally beside Hugging
+Face transformers on the same model, dtype and device."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 import numpy as np
 
 from picovllm.bench.common import (
+    Floors,
     copy_bandwidth,
     decode_bytes_per_step,
     plot_latency,
@@ -93,6 +96,7 @@ def run_latency(
     systems = [("picovllm", ours)] + [(f"hf-{mode}", HFRunner(llm_kwargs, mode)) for mode in hf_modes]
     device = ours.device
     bandwidth = copy_bandwidth(device)
+    floors = Floors(ours.llm)
     rows = []
     for batch in batch_sizes:
         progress(f"batch {batch}: {input_len} prompt tokens, {output_len} decoded, {repeat} time(s) each")
@@ -115,6 +119,8 @@ def run_latency(
             step_bytes = decode_bytes_per_step(runner.model, batch, input_len + output_len // 2, ours.kv_token_bytes)
             rows.append(_row(name, batch, *best[name], output_len, step_bytes, bandwidth))
             rows[-1]["host_ms_per_step"] = host_ms if runner is ours else None
+            rows[-1]["ttft_floor_ms"] = 1e3 * floors.seconds(input_len, batch=batch)
+            rows[-1]["ttft_x_floor"] = rows[-1]["ttft_ms"] / rows[-1]["ttft_floor_ms"]
     by_batch = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
     for r in rows:
         r["speedup_vs_this"] = by_batch[r["batch"]]["decode_tok_s"] / r["decode_tok_s"]
@@ -124,6 +130,7 @@ def run_latency(
             ("system", "system", ""),
             ("batch", "batch", "d"),
             ("ttft_ms", "TTFT ms", ".1f"),
+            ("ttft_x_floor", "x floor", ".1f"),
             ("ms_per_step", "ms/step", ".3f"),
             ("decode_tok_s", "decode tok/s", ".1f"),
             ("total_tok_s", "total tok/s", ".1f"),
@@ -134,8 +141,9 @@ def run_latency(
         ],
     )
     print(
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s on {device}; prompt {input_len}, output {output_len}, "
-        f"best of {repeat}"
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, GEMMs {floors.flop_s / 1e12:.1f} TFLOP/s on {device}; prompt "
+        f"{input_len}, output {output_len}, best of {repeat}; TTFT x floor: against the larger of the prompts' "
+        "FLOPs at that rate and their bytes at that bandwidth"
     )
     print_json(
         "latency",
@@ -143,6 +151,7 @@ def run_latency(
             "model": llm_kwargs.get("model"),
             "device": str(device),
             "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "matmul_tflop_s": floors.flop_s / 1e12,
             "input_len": input_len,
             "output_len": output_len,
             "repeat": repeat,

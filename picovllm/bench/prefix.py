@@ -25,10 +25,7 @@ import time
 import torch
 
 from picovllm.bench.common import (
-    copy_bandwidth,
-    decode_bytes_per_step,
-    forward_flops,
-    matmul_flops,
+    Floors,
     print_json,
     print_table,
     progress,
@@ -63,22 +60,6 @@ def _ttfts(llm, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
         times.append(time.perf_counter() - start)
         cached.append(out.num_cached_tokens)
     return times, cached
-
-
-class Floors:
-    """A forward's time floor on this device: the larger of its FLOPs at the measured GEMM
-    throughput and its bytes at the measured copy bandwidth."""
-
-    def __init__(self, llm):
-        engine = llm.llm_engine
-        self.model = engine.executor.driver.model_runner.model
-        self.kv_token_bytes = engine.kv_block_bytes // engine.config.block_size
-        self.flop_s = matmul_flops(engine.device, engine.dtype)
-        self.byte_s = copy_bandwidth(engine.device)
-
-    def seconds(self, prompt_len: int, cached: int) -> float:
-        nbytes = decode_bytes_per_step(self.model, 1, prompt_len, self.kv_token_bytes)  # (one sequence's KV)
-        return max(forward_flops(self.model, prompt_len - cached, cached) / self.flop_s, nbytes / self.byte_s)
 
 
 def _wall(llm, prompts: list[list[int]], rounds: int) -> float:
