@@ -126,8 +126,8 @@ class _EngineMetrics:
     DERIVED = {  # name -> (help, its value from the engine's metrics)
         "num_requests_running": ("Requests in the running batch.", lambda m: m["num_running"]),
         "num_requests_waiting": ("Requests waiting to be scheduled.", lambda m: m["num_waiting"]),
-        "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use.", lambda m: _kv_usage(m)),
-        "prefix_cache_hit_rate": ("Prefix-cache hits / queried prompt tokens.", lambda m: _hit_rate(m)),
+        "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use.", _kv_usage),
+        "prefix_cache_hit_rate": ("Prefix-cache hits / queried prompt tokens.", _hit_rate),
     }
     COUNTS = {**METRICS, **GAUGES, **OFFLOAD_METRICS}  # (a prefill or decode instance's; the host tier's)
 
