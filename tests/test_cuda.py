@@ -346,13 +346,14 @@ def test_async_scheduling_with_arrivals_and_a_long_prompt(peaked_1p5b):
         llm = LLM(**kw, async_scheduling=async_scheduling)
         engine, done, step = llm.llm_engine, {}, 0
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=None if async_scheduling else 2)
-        while len(done) < len(prompts):
+        while step < len(prompts) or engine.has_unfinished_requests():
             if step < len(prompts):
                 engine.add_request(str(step), prompts[step], params)
             for out in engine.step():
                 if out.finished:
                     done[int(out.request_id)] = out.outputs[0]
             step += 1
+        assert not engine.take_failed()
         if async_scheduling:
             assert engine.launcher.num_launched_ahead > 0
         runs.append([done[i] for i in range(len(prompts))])
@@ -417,23 +418,24 @@ def test_launching_a_step_never_waits_for_the_device():
     llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params[:3], use_tqdm=False)  # warm-up (compilation)
     launch, checked = engine.launcher.launch, [0]
 
-    def launch_checked(batch, num_pending=0, pending_rows=None):
+    def launch_checked(batch, num_pending=0, pending_rows=None, before=None):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(batch, num_pending, pending_rows)
+            return launch(batch, num_pending, pending_rows, before)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             checked[0] += num_pending > 0
 
     engine.launcher.launch = launch_checked
     ahead_before, done, step = engine.launcher.num_launched_ahead, {}, 0
-    while len(done) < len(prompts):
+    while step < len(prompts) or engine.has_unfinished_requests():
         if step < len(prompts):
             engine.add_request(str(step), prompts[step], params[step])
         for out in engine.step():
             if out.finished:
                 done[int(out.request_id)] = len(out.outputs[0].token_ids)
         step += 1
+    assert not engine.take_failed()  # (a launch that synchronised raised: its requests failed)
     assert done == {i: p.max_tokens for i, p in enumerate(params)}
     assert checked[0] == engine.launcher.num_launched_ahead - ahead_before >= 20, (
         checked,
