@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -31,6 +32,12 @@ def _round_fp8_as_the_gpu_does() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _round_fp8_as_the_gpu_does()
+
+# A shell without job control starts a background command with SIGINT ignored, and an ignored
+# signal stays ignored across exec: the Ctrl-C tests' processes would never see it. With a handler
+# here, the processes the tests start get the default action, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(min(2, torch.get_num_threads()))
