@@ -1,5 +1,6 @@
-"""CUDA-graph bookkeeping that needs no GPU: the batch-size ladder and the padding of a decode
-batch into the static buffers. (Capture and replay run in scripts/gpu_check.sh.)"""
+"""CUDA-graph bookkeeping that needs no GPU: the batch-size ladder, the padding of a decode
+batch into the static buffers, the decode graphs' one logits buffer. (Capture and replay run in
+scripts/gpu_check.sh.)"""
 
 import numpy as np
 import torch
@@ -123,6 +124,7 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     stored = [t.clone() for t in runner.kv_cache[0]]
 
     class EagerMixed:  # MixedGraphs' padding without the graphs
+        computes_logits = False
         padding = staticmethod(lambda tokens, seqs, work_items: MixedPadding(16, 4, 3))
         run = staticmethod(lambda inputs: runner.model(inputs.input_ids, inputs.positions, inputs.meta))
 
@@ -144,3 +146,66 @@ def test_padded_mixed_step_computes_what_the_unpadded_one_does(tiny_qwen):
     for t, expected in zip(runner.kv_cache[0], stored):
         torch.testing.assert_close(t, expected, atol=1e-5, rtol=1e-5)
     assert engine.block_manager.num_free_blocks == free_before
+
+
+def test_decode_graphs_give_each_size_its_rows_of_one_logits_buffer(monkeypatch):
+    """Captured largest first, the decode graphs' logits share the largest's output: each smaller
+    graph copies its rows to the top of it (what capture() records, here run on the CPU as if
+    capturing)."""
+
+    class Model:  # hidden: the input ids as a column; logits: the ids times (1, 2, 3)
+        def __call__(self, ids, positions, meta):
+            return ids[:, None].float()
+
+        def compute_logits(self, hidden):
+            return hidden * torch.tensor([1.0, 2.0, 3.0])
+
+    graphs = DecodeGraphs(Model(), max_num_seqs=8, max_model_len=20, block_size=4, device=torch.device("cpu"))
+    graphs.vectors[0] = torch.arange(100, 108)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert graphs.forward(8, graphs.args(8)).shape == (8, 3) and graphs.logits is None  # (a warm-up: no buffer)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    outputs = {size: graphs.forward(size, graphs.args(size)) for size in graphs.keys()}
+    assert list(outputs) == [8, 4, 2, 1] and graphs.logits.shape == (8, 3)
+    for size, logits in outputs.items():
+        assert logits.data_ptr() == graphs.logits.data_ptr() and logits.shape == (size, 3)
+    graphs.vectors[0] = torch.arange(200, 208)
+    assert graphs.forward(2, graphs.args(2)).tolist() == [[200, 400, 600], [201, 402, 603]]
+    assert graphs.logits[:, 0].tolist() == [200, 201, 102, 103, 104, 105, 106, 107]  # (size 8's rows past 2 kept)
+
+
+def test_padded_decode_step_gives_the_logits_of_the_unpadded_one(tiny_qwen):
+    """A decode batch of 3 through a decode graph's path (padded to 4, the graph giving the
+    logits of every row, here run eagerly): the step's logits are the unpadded step's, its three
+    rows alone."""
+    from conftest import make_llm
+
+    from picovllm import SamplingParams
+
+    llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, block_size=4, max_num_seqs=4, async_scheduling=False)
+    engine = llm.llm_engine
+    runner = engine.executor.driver.model_runner
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), list(range(10 + i, 17 + 2 * i)), params)
+    engine.step()
+    batch = engine.scheduler.schedule()
+    assert batch.is_decode and len(batch.requests) == 3
+    caches = [t.clone() for t in runner.kv_cache[0]]
+    unpadded = runner.step_logits(step_inputs(batch))
+
+    class EagerDecode:  # DecodeGraphs' padding and logits without the graphs
+        computes_logits = True
+        padded_size = staticmethod(lambda batch: 4)
+
+        @staticmethod
+        def run(inputs):
+            assert inputs.input_ids.shape == (4,)
+            return runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions, inputs.meta))
+
+    for t, saved in zip(runner.kv_cache[0], caches):
+        t.copy_(saved)
+    runner.graphs = EagerDecode()
+    padded = runner.step_logits(step_inputs(batch))
+    assert padded.shape == unpadded.shape == (3, runner.model_cfg.vocab_size)
+    torch.testing.assert_close(padded, unpadded, atol=1e-5, rtol=1e-5)

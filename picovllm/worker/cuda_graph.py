@@ -3,7 +3,9 @@
 Decode: one graph per batch size in a ladder (1, 2, 4, 8, then steps of 16), in one shared
 memory pool. A step's inputs come padded to the next captured size (padding rows: slot -1, so
 nothing is stored, and a one-token context; inputs.build_decode), are copied into the buffers
-with two device copies, and the graph replays; larger batches run eagerly.
+with two device copies, and the graph replays; larger batches run eagerly. A decode step samples
+every row, so its graph ends with the final norm and the LM head (the model's compute_logits)
+and gives the logits, where the other steps give hidden states.
 
 Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: two graphs
 per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
@@ -51,6 +53,7 @@ class _GraphSet:
     fill() copies a step's padded inputs in and returns the key to replay."""
 
     kind = "?"
+    computes_logits = False  # whether run() gives the logits (else the hidden states)
 
     def __init__(
         self,
@@ -90,11 +93,11 @@ class _GraphSet:
         pool = None
         for key in self.keys():
             args = self.args(key)
-            self.model(*args)  # warm-up: compile kernels
+            self.forward(key, args)  # warm-up: compile kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self.model(*args)
+                self.outputs[key] = self.forward(key, args)
             pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
@@ -109,8 +112,13 @@ class _GraphSet:
         )
         return elapsed
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Hidden states (all rows of the captured size) of a step padded for this family."""
+    def forward(self, key, args: tuple) -> torch.Tensor | None:
+        """What the graph of this key computes from its buffers (args), captured or run as a warm-up."""
+        return self.model(*args)
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """The outputs (all rows of the captured size: hidden states, or the logits where
+        computes_logits) of a step padded for this family."""
         key = self.fill(inputs)
         self.graphs[key].replay()
         return self.outputs[key]
@@ -120,9 +128,15 @@ class DecodeGraphs(_GraphSet):
     """Decode, by batch size P; the graph of size P reads rows [:P].
 
     vectors [4, max_batch]: input ids, positions, slots, context lens (one copy per step fills
-    them, from the [4, P] graph_inputs that inputs.build_decode uploads already padded)."""
+    them, from the [4, P] graph_inputs that inputs.build_decode uploads already padded).
+
+    The graphs give logits, all of them in one buffer: the largest graph's output (captured
+    first), into whose first rows each smaller graph copies its own (per-graph outputs would hold
+    the sum of the sizes' logits, 0.7 GB at 256 sequences and a 152k vocabulary). On a
+    tensor-parallel rank other than 0, which samples nothing, None."""
 
     kind = "decode batch"
+    computes_logits = True
 
     def __init__(
         self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device
@@ -132,6 +146,7 @@ class DecodeGraphs(_GraphSet):
         self.vectors = torch.zeros(4, sizes[-1], dtype=torch.int64, device=device)
         self.vectors[2], self.vectors[3] = -1, 1
         self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int64, device=device)
+        self.logits: torch.Tensor | None = None  # [largest size, vocab] (see above)
 
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
@@ -147,6 +162,16 @@ class DecodeGraphs(_GraphSet):
             max_context_len=self.max_model_len,
         )
         return ids, positions, meta
+
+    def forward(self, size: int, args: tuple) -> torch.Tensor | None:
+        logits = self.model.compute_logits(self.model(*args))
+        if logits is None or not torch.cuda.is_current_stream_capturing():
+            return logits
+        if self.logits is None:  # (the largest graph)
+            self.logits = logits
+        else:
+            self.logits[:size].copy_(logits)
+        return self.logits[:size]
 
     def fill(self, inputs: ModelInputs) -> int:
         """A decode batch padded to P: two copies."""

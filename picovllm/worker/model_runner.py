@@ -267,6 +267,11 @@ class ModelRunner:
         if step.kv_copies:
             self.copy_blocks(step.kv_copies)
         inputs, graphs = self.prepare(step, pending, num_pending)
+        if graphs is not None and graphs.computes_logits:  # a decode graph: every row samples, past its prompt
+            assert not step.prompt_logprobs
+            self._prompt = None
+            logits = graphs.run(inputs)
+            return None if logits is None else logits[: step.num_seqs]  # (its padding rows are not sampled)
         if graphs is not None:
             hidden = graphs.run(inputs)
         else:
@@ -274,8 +279,6 @@ class ModelRunner:
         self._prompt = self._prompt_logprobs(hidden, step) if step.prompt_logprobs else None
         if inputs.logits_indices is not None:
             hidden = hidden[inputs.logits_indices]
-        elif graphs is not None:  # a decode graph's padding rows are not sampled
-            hidden = hidden[: step.num_seqs]
         return self.model.compute_logits(hidden)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> tuple | None:
