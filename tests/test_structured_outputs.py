@@ -116,6 +116,38 @@ def test_a_request_without_constraints_is_unchanged_by_one_with(llm):
     assert llm.llm_engine.launcher.num_launched_ahead > launched  # (no grammar: the overlap stays)
 
 
+def test_a_deferred_step_samples_once_the_next_steps_inputs_are_built(llm, monkeypatch):
+    """A step launched ahead of its grammars' tokens samples as the next step launches, after that
+    step's inputs are built and uploaded (so that the wait for the bitmask overlaps that work):
+    when it samples, one more step's inputs have been built than when it ran; only a last one
+    that no step follows samples without."""
+    runner = llm.llm_engine.executor.driver.model_runner
+    built, deferred, at_sampling = [0], [], []
+    build, run, sample = runner._build, runner.run, runner.sample_deferred
+
+    def counted_build(step):
+        built[0] += 1
+        return build(step)
+
+    def recorded_run(step, sampling, pending=None, num_pending=0, defer=False):
+        out = run(step, sampling, pending, num_pending, defer)
+        if defer:
+            deferred.append(built[0])
+        return out
+
+    def recorded_sample(bitmask):
+        at_sampling.append(built[0] - deferred[len(at_sampling)])
+        return sample(bitmask)
+
+    monkeypatch.setattr(runner, "_build", counted_build)
+    monkeypatch.setattr(runner, "run", recorded_run)
+    monkeypatch.setattr(runner, "sample_deferred", recorded_sample)
+    out = llm.generate(["Hello"], _so(json=SCHEMA), use_tqdm=False)[0].outputs[0]
+    # (the step launched ahead when the grammar ends is dropped unsampled)
+    assert len(out.token_ids) > 3 and len(deferred) - 1 <= len(at_sampling) <= len(deferred) and len(at_sampling) > 2
+    assert at_sampling[:-1] == [1] * (len(at_sampling) - 1) and at_sampling[-1] in (0, 1)
+
+
 def test_max_tokens_inside_the_grammar_ends_with_length(llm):
     params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     out = llm.generate(["Hi"], params, use_tqdm=False)

@@ -107,9 +107,10 @@ class StepLauncher:
     def next_step(self) -> LaunchedStep | None:
         """The step whose tokens to read now: the one launched ahead, else one launched now (None:
         nothing to run); with async scheduling, the step after it is launched before returning.
-        A step launched ahead whose grammars waited for the last tokens samples here, just before
-        the step after it launches (sample_deferred): its bitmask filled meanwhile, while the
-        host processed those tokens and scheduled this step."""
+        A step launched ahead whose grammars waited for the last tokens samples here, as the step
+        after it launches, once that step's inputs are built (launch; sample_deferred when no step
+        follows): its bitmask filled meanwhile, while the host processed those tokens, scheduled
+        the next step and built its inputs."""
         step = self.inflight
         if step is None:
             batch = self.schedule(None)
@@ -148,18 +149,24 @@ class StepLauncher:
     ) -> tuple[LaunchedStep | None, LaunchedStep]:
         """Launch the batch's forward; its first num_pending rows decode the tokens the step
         `before` sampled (rows pending_rows of them; None: all), still on the device: `before`
-        samples first if it was deferred, once its inputs are built (returned, sampled, with the
-        step launched). A step launched so whose sampling rows include a grammar's samples once
-        those tokens are read and its bitmask filled (sample_deferred): the forward runs
+        samples first if it was deferred, under its bitmask, once this forward's inputs are built
+        and uploaded (Executor.execute_step: the wait for the fill overlaps that work), and is
+        returned sampled with the step launched. A step launched so whose sampling rows include a
+        grammar's samples once those tokens are read and its bitmask filled: the forward runs
         meanwhile."""
         step = step_inputs(batch, num_pending, self.block_manager.take_copies())
         # the requests whose last token this step computes (step.sample): each samples one token
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         defer = num_pending > 0 and any(r.grammar is not None for r in reqs)
         sampling = self._sampling_batch(reqs, defer) if reqs else None
-        if before is not None:
-            before = self.sample_deferred(before)
-        out = self.executor.execute_step(ExecuteStep(step, num_pending, pending_rows), sampling, defer)
+        # (the fill is the launch's until it returns: a launch that fails leaves it to reset)
+        filling = self._filling if before is not None and before.deferred else None
+        sampled_before, out = self.executor.execute_step(
+            ExecuteStep(step, num_pending, pending_rows), sampling, defer, None if filling is None else filling.result
+        )
+        if filling is not None:
+            self._filling = None
+            before = before._replace(out=sampled_before, deferred=False)
         number = self.block_manager.step_launched()
         prompt_rows = [
             (batch.requests[i], batch.requests[i].num_computed_tokens, len(t)) for i, _, t in step.prompt_logprobs
@@ -180,7 +187,8 @@ class StepLauncher:
         return ends
 
     def sample_deferred(self, step: LaunchedStep) -> LaunchedStep:
-        """step, sampled: under its bitmask (take_tokens', once it is filled) if it was deferred."""
+        """step, sampled: under its bitmask (take_tokens', once it is filled) if it was deferred
+        (when no step is launched after it: launch samples it otherwise)."""
         if not step.deferred:
             return step
         bitmask, self._filling = self._filling.result(), None

@@ -129,11 +129,17 @@ class Executor:
         return self._run(cmd, lambda: self.driver.handle(cmd))
 
     def execute_step(
-        self, cmd: ExecuteStep, sampling: SamplingBatch | None, defer: bool = False
-    ) -> ModelRunnerOutput | None:
+        self,
+        cmd: ExecuteStep,
+        sampling: SamplingBatch | None,
+        defer: bool = False,
+        bitmask: Callable[[], torch.Tensor | None] | None = None,
+    ) -> tuple[ModelRunnerOutput | None, ModelRunnerOutput | None]:
         """One step on every rank; rank 0 samples `sampling`'s rows (Worker.execute_step), or
-        with defer keeps their logits for sample_deferred."""
-        return self._run(cmd, lambda: self.driver.execute_step(cmd, sampling, defer))[0]
+        with defer keeps their logits for sample_deferred. With bitmask, rank 0 first samples the
+        step executed with defer under bitmask() once this step's inputs are built. Returns (that
+        step's samples, None without bitmask; this step's)."""
+        return self._run(cmd, lambda: self.driver.execute_step(cmd, sampling, defer, bitmask))[0]
 
     def sample_deferred(self, bitmask) -> ModelRunnerOutput:
         """Rank 0 samples the step executed with defer, under bitmask (its grammars')."""

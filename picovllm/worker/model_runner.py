@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -165,12 +166,15 @@ class ModelRunner:
         self.graphs = self.mixed_graphs = None
 
     def prepare(
-        self, step: StepInputs, pending: torch.Tensor | None = None, num_pending: int = 0
+        self, step: StepInputs, pending: Callable[[], torch.Tensor | None] | None = None, num_pending: int = 0
     ) -> tuple[ModelInputs, DecodeGraphs | MixedGraphs | None]:
-        """The step's inputs, and the graphs that replay it (None: it runs eagerly). pending: the
-        num_pending tokens the step's first rows decode, on the device (on rank 0, which sampled
-        them; the other ranks receive them from it)."""
+        """The step's inputs, and the graphs that replay it (None: it runs eagerly). pending()
+        gives the num_pending tokens the step's first rows decode, on the device (on rank 0, which
+        sampled them, else None: the other ranks receive them from it); it is called once the
+        inputs are built and uploaded, so that what it waits for (Worker.execute_step's sampling
+        of the step before) overlaps that work."""
         inputs, graphs = self._build(step)
+        pending = pending() if pending is not None else None
         if num_pending:  # (the pending rows decode: their tokens come first)
             if self.tp_size > 1:
                 if pending is None:
@@ -259,7 +263,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step_logits(
-        self, step: StepInputs, pending: torch.Tensor | None = None, num_pending: int = 0
+        self, step: StepInputs, pending: Callable[[], torch.Tensor | None] | None = None, num_pending: int = 0
     ) -> torch.Tensor | None:
         """The forward of one step on this rank (after the step's copies between the KV pools):
         the logits of the sampled positions on rank 0, None on the others (see prepare for
@@ -346,7 +350,7 @@ class ModelRunner:
         self,
         step: StepInputs,
         sampling: SamplingBatch | None,
-        pending: torch.Tensor | None = None,
+        pending: Callable[[], torch.Tensor | None] | None = None,
         num_pending: int = 0,
         defer: bool = False,
     ) -> SamplerOutput | None:

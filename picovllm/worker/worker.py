@@ -72,18 +72,30 @@ class Worker:
         raise TypeError(f"not a worker command: {cmd!r}")
 
     def execute_step(
-        self, cmd: ExecuteStep, sampling: SamplingBatch | None = None, defer: bool = False
-    ) -> ModelRunnerOutput | None:
+        self,
+        cmd: ExecuteStep,
+        sampling: SamplingBatch | None = None,
+        defer: bool = False,
+        bitmask: Callable[[], torch.Tensor | None] | None = None,
+    ) -> tuple[ModelRunnerOutput | None, ModelRunnerOutput | None]:
         """The step's forward; on rank 0 (sampling: its rows) the samples too, on their way to the
         host, unless defer: then they wait for sample_deferred. The pending rows' tokens are rank
-        0's last samples (ExecuteStep)."""
-        pending = None
-        if cmd.num_pending and self._sampled is not None:
-            pending = self._sampled
-            if cmd.pending_rows is not None:
-                pending = pending[to_device(cmd.pending_rows, torch.long, pending.device)]
+        0's last samples (ExecuteStep). With bitmask (rank 0), the step run with defer samples
+        under bitmask() first, once this step's inputs are built: (its samples, this step's)."""
+        before = None
+
+        def pending() -> torch.Tensor | None:  # (ModelRunner.prepare: after the inputs, before the forward)
+            nonlocal before
+            if bitmask is not None:
+                before = self.sample_deferred(bitmask())
+            if not cmd.num_pending or self._sampled is None:
+                return None
+            if cmd.pending_rows is None:
+                return self._sampled
+            return self._sampled[to_device(cmd.pending_rows, torch.long, self._sampled.device)]
+
         out = self.model_runner.run(cmd.step, sampling, pending, cmd.num_pending, defer)
-        return None if out is None else self._sampled_out(out)
+        return before, None if out is None else self._sampled_out(out)
 
     def sample_deferred(self, bitmask: torch.Tensor | None) -> ModelRunnerOutput:
         """Rank 0: the samples of the step run with defer, under its grammars' bitmask."""
