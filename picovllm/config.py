@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 logger = logging.getLogger("picovllm")
 
@@ -266,7 +266,7 @@ class EngineConfig:
         False, "run every step eagerly instead of replaying CUDA graphs captured at start-up (GPU only)"
     )
     mixed_graph_tokens: int = option(
-        512,
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
         "replay steps with prompt tokens of up to this many tokens from CUDA graphs too (token counts 16, 32, "
         "...; 0: they run eagerly)",
         bounds=Bounds(0, 8192),
@@ -402,7 +402,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 def resolve_limits(config: EngineConfig, max_model_len: int, kv_capacity: int) -> tuple[int, int]:
     """(max_model_len, max_num_batched_tokens) once the KV cache holds kv_capacity tokens: a
     max_model_len left to its default is lowered to what the cache holds (one asked for that
-    does not fit is an error); the step budget defaults to 8192 (at least max_num_seqs, and
+    does not fit is an error); the step budget defaults to 2048 (at least max_num_seqs, and
     without chunked prefill at least max_model_len, since a prompt must then fit one step)."""
     if max_model_len > kv_capacity:
         if config.max_model_len is not None:
