@@ -311,6 +311,30 @@ def test_mixed_step_graphs_equal_eager_steps(peaked_1p5b):
     _free_gpu()
 
 
+def test_a_long_prompt_from_the_largest_mixed_graph_equals_eager(peaked_1p5b):
+    """With the default budget and mixed-step graphs (2,048 tokens), a 1,100-token prompt and five
+    short ones (1,600 tokens) prefill in one step replayed from the 2,048-token graph: the eager
+    engine's greedy tokens up to its first near-tie (the long prompt, made of pieces, meets one
+    after its first token, as in the test below)."""
+    path, prompts = peaked_1p5b
+    prompts = [prompts[i] for i in (1, 5, 6, 8, 9)] + [sum(prompts[13:], [])[:1100]]
+    kw = dict(model=path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=8)
+    graphed = LLM(**kw)
+    graphs = graphed.llm_engine.executor.driver.model_runner.mixed_graphs
+    assert graphs.sizes[-1] == graphed.llm_engine.max_num_batched_tokens == 2048
+    fill, keys = graphs.fill, []
+    graphs.fill = lambda inputs: keys.append(fill(inputs)) or keys[-1]
+    ours = [o.token_ids for o in _greedy_outputs(graphed, prompts, 48)]
+    assert keys[0] == (2048, False), keys  # (the prompts' step; then their decodes, from decode graphs)
+    del graphed, graphs
+    _free_gpu()
+    ref = _greedy_outputs(LLM(**kw, enforce_eager=True), prompts, 48, logprobs=2)
+    compared = _compare_to_run(ours, ref, tol=0.5)
+    print(f"the 2,048-token mixed graph vs eager: tokens equal, per prompt: {compared}")
+    assert sum(c >= 40 for c in compared[:-1]) >= 3 and compared[-1] >= 1, compared
+    _free_gpu()
+
+
 def test_async_scheduling_gives_the_same_tokens():
     """Decode steps launched ahead (inputs from the device) give the synchronous engine's tokens
     exactly: greedy and seeded sampling, 16 prompts, 64 tokens, CUDA graphs."""
@@ -340,7 +364,14 @@ def test_async_scheduling_with_arrivals_and_a_long_prompt(peaked_1p5b):
     pieces, meets a near-tie after its first token (the output of the 128-query prefill)."""
     path, prompts = peaked_1p5b
     prompts = [prompts[i] for i in (1, 5, 6, 8, 9)] + [sum(prompts[13:], [])[:1100]]
-    kw = dict(model=path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=16)
+    kw = dict(
+        model=path,
+        device="cuda",
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=16,
+        mixed_graph_tokens=512,  # (the long prompt's step past the largest graph: eager)
+    )
     runs = []
     for async_scheduling in (True, False):
         llm = LLM(**kw, async_scheduling=async_scheduling)
