@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: the CUDA tests, the standard benchmarks, and a short table at the end.
 # Usage, from the repository root on a CUDA machine: bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix offload serve overload pd structured fp8 servers
+#   stages: tests latency throughput prefix offload serve overload pd structured fp8 servers ttft
 #   (default: the first seven; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
 #      TOKENIZER (structured: a tokenizer directory, e.g. the default model's, for a dummy model),
@@ -66,6 +66,9 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
                bench "serve_x$n" serve --concurrency 64 --input-len 512 --output-len 128 --max-num-batched-tokens 128 \
                    --max-num-seqs 64 --api-server-count $n
              done ;;
+    ttft) for n in 128 2083; do  # (a prompt's time to first token against its floor, at the default budget)
+            bench "ttft_$n" latency --batch-sizes 1 --input-len $n --output-len 4 --repeat 3
+          done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
@@ -78,7 +81,8 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
         if r["benchmark"] == "latency":
             for x in r["results"]:
                 print(f"{name:20s} {x['system']:10s} batch {x['batch']:<4d} {x['ms_per_step']:7.3f} ms/step "
-                      f"{x['decode_tok_s']:9.0f} tok/s {x['bw_frac']:6.1%} of copy bandwidth")
+                      f"{x['decode_tok_s']:9.0f} tok/s {x['bw_frac']:6.1%} of copy bandwidth; TTFT {x['ttft_ms']:.1f} ms "
+                      f"({x['ttft_x_floor']:.1f}x floor, prompt {r['input_len']})")
         elif r["benchmark"] == "throughput":
             print(f"{name:20s} {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s")
         elif r["benchmark"] == "offload_multi_turn":
