@@ -311,13 +311,19 @@ def test_mixed_step_graphs_equal_eager_steps(peaked_1p5b):
     _free_gpu()
 
 
+def _short_and_long_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """Five of peaked_1p5b's short prompts, whose continuation the model is sure of, and a
+    1,100-token one made of the longer ones' pieces (it meets a near-tie after its first token)."""
+    return [prompts[i] for i in (1, 5, 6, 8, 9)] + [sum(prompts[13:], [])[:1100]]
+
+
 def test_a_long_prompt_from_the_largest_mixed_graph_equals_eager(peaked_1p5b):
     """With the default budget and mixed-step graphs (2,048 tokens), a 1,100-token prompt and five
     short ones (1,600 tokens) prefill in one step replayed from the 2,048-token graph: the eager
     engine's greedy tokens up to its first near-tie (the long prompt, made of pieces, meets one
     after its first token, as in the test below)."""
     path, prompts = peaked_1p5b
-    prompts = [prompts[i] for i in (1, 5, 6, 8, 9)] + [sum(prompts[13:], [])[:1100]]
+    prompts = _short_and_long_prompts(prompts)
     kw = dict(model=path, device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=8)
     graphed = LLM(**kw)
     graphs = graphed.llm_engine.executor.driver.model_runner.mixed_graphs
@@ -363,7 +369,7 @@ def test_async_scheduling_with_arrivals_and_a_long_prompt(peaked_1p5b):
     are those whose continuation the model is sure of (see the tests above); the long one, made of
     pieces, meets a near-tie after its first token (the output of the 128-query prefill)."""
     path, prompts = peaked_1p5b
-    prompts = [prompts[i] for i in (1, 5, 6, 8, 9)] + [sum(prompts[13:], [])[:1100]]
+    prompts = _short_and_long_prompts(prompts)
     kw = dict(
         model=path,
         device="cuda",
