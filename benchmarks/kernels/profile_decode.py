@@ -84,24 +84,27 @@ def timeline(llm, prompts: list, params: SamplingParams) -> None:
     engine = llm.llm_engine
     marks: dict = {}
 
-    def timed(name, fn):
+    def timed(name, fn):  # (the first call of each generate())
         def call(*args, **kwargs):
-            marks[name + "0"] = time.perf_counter()
+            marks.setdefault(name + "0", time.perf_counter())
             out = fn(*args, **kwargs)
-            marks[name + "1"] = time.perf_counter()
+            marks.setdefault(name + "1", time.perf_counter())
             return out
 
         return call
 
-    def launch(batch, pending=None):
-        marks["events"] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        marks["events"][0].record()
-        out = timed("launch", original[1])(batch, pending)
-        marks["events"][1].record()
+    def launch(*args, **kwargs):
+        first = "events" not in marks
+        if first:
+            marks["events"] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            marks["events"][0].record()
+        out = timed("launch", original[1])(*args, **kwargs)
+        if first:
+            marks["events"][1].record()
         return out
 
-    original = engine.scheduler.schedule, engine._launch, engine.step
-    engine.scheduler.schedule, engine._launch, engine.step = (
+    original = engine.scheduler.schedule, engine.launcher.launch, engine.step
+    engine.scheduler.schedule, engine.launcher.launch, engine.step = (
         timed("schedule", original[0]),
         launch,
         timed("step", original[2]),
@@ -109,6 +112,7 @@ def timeline(llm, prompts: list, params: SamplingParams) -> None:
     rows = []
     try:
         for p in prompts:
+            marks.clear()
             torch.cuda.synchronize()
             start = time.perf_counter()
             llm.generate(p, params, use_tqdm=False)
@@ -124,7 +128,7 @@ def timeline(llm, prompts: list, params: SamplingParams) -> None:
                 )
             )
     finally:
-        engine.scheduler.schedule, engine._launch, engine.step = original
+        engine.scheduler.schedule, engine.launcher.launch, engine.step = original
     med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
     print(
         f"timeline (median ms of {len(rows)}): generate {med[0]:.2f} = before the step {med[1]:.2f}, schedule "
@@ -207,22 +211,22 @@ def serve_steps(
         max_num_batched_tokens=budget,
     )
     engine = llm.llm_engine
-    launched, launch = collections.deque(), engine._launch
+    launched, launch = collections.deque(), engine.launcher.launch
 
-    def counted_launch(batch, pending=None):  # what each launched step carries; steps return in launch order
+    def counted_launch(batch, num_pending=0, pending_rows=None, before=None):  # what each launched step carries; steps return in launch order
         new = batch.num_new_tokens
         prompts = [r for r, n in zip(batch.requests, new) if n > 1]
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         marks[0].record()
         t0 = time.perf_counter()
-        step = launch(batch, pending)
+        step = launch(batch, num_pending, pending_rows, before)
         took = (time.perf_counter() - t0) * 1e3
         marks[1].record()  # the GPU time between the two marks is this step's own work (and any wait for the host)
         launched.append(
             (
                 sum(n == 1 for n in new),
                 sum(n for n in new if n > 1),
-                pending is not None,
+                num_pending > 0,
                 len(prompts),
                 any(r.num_computed_tokens == n for r, n in zip(batch.requests, new) if n > 1),
                 took,
@@ -231,7 +235,7 @@ def serve_steps(
         )
         return step
 
-    engine._launch = counted_launch
+    engine.launcher.launch = counted_launch
     collections_started = [0]
 
     def on_gc(phase, info):
