@@ -184,6 +184,7 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
     _sized(st, "--input-len", 128, 32, type=positive_int)
     _sized(st, "--output-len", 256, 32, type=positive_int)
     st.add_argument("--seed", type=non_negative_int, default=0)
+    _sized(st, "--repeat", 3, 1, type=positive_int, help="runs of each kind, taking turns, best kept")
     st.set_defaults(func=_structured, parser=st)
 
     pd = kinds.add_parser(
@@ -216,7 +217,7 @@ def _structured(args: argparse.Namespace) -> int:
     sizes(args)
     from picovllm.bench.structured import run_structured
 
-    run_structured(engine_kwargs(args), args.batch_size, args.input_len, args.output_len, args.seed)
+    run_structured(engine_kwargs(args), args.batch_size, args.input_len, args.output_len, args.seed, args.repeat)
     return 0
 
 
