@@ -328,11 +328,16 @@ def test_a_long_prompt_from_the_largest_mixed_graph_equals_eager(peaked_1p5b):
     graphed = LLM(**kw)
     graphs = graphed.llm_engine.executor.driver.model_runner.mixed_graphs
     assert graphs.sizes[-1] == graphed.llm_engine.max_num_batched_tokens == 2048
-    fill, keys = graphs.fill, []
-    graphs.fill = lambda inputs: keys.append(fill(inputs)) or keys[-1]
+    keys = []
+
+    def record(inputs, fill=graphs.fill):
+        keys.append(fill(inputs))
+        return keys[-1]
+
+    graphs.fill = record
     ours = [o.token_ids for o in _greedy_outputs(graphed, prompts, 48)]
     assert keys[0] == (2048, False), keys  # (the prompts' step; then their decodes, from decode graphs)
-    del graphed, graphs, fill  # (fill, a bound method, holds the engine's KV pool)
+    del graphed, graphs, record  # (record holds the graphs' fill: the engine and its KV pool)
     _free_gpu()
     ref = _greedy_outputs(LLM(**kw, enforce_eager=True), prompts, 48, logprobs=2)
     compared = _compare_to_run(ours, ref, tol=0.5)

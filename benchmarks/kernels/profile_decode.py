@@ -213,7 +213,9 @@ def serve_steps(
     engine = llm.llm_engine
     launched, launch = collections.deque(), engine.launcher.launch
 
-    def counted_launch(batch, num_pending=0, pending_rows=None, before=None):  # what each launched step carries; steps return in launch order
+    def counted_launch(
+        batch, num_pending=0, pending_rows=None, before=None
+    ):  # what each launched step carries; steps return in launch order
         new = batch.num_new_tokens
         prompts = [r for r, n in zip(batch.requests, new) if n > 1]
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
