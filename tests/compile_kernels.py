@@ -28,17 +28,17 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps", "
 def main(dt: str) -> None:
     p = f"*{dt}"
     ptrs = {n: p for n in ("q", "k", "v", "q_out", "k_cache", "v_cache", "out", "x", "weight", "gate_up", "cos", "sin",
-                            "bias", "norm_weight", "residual")}
+                            "bias", "norm_weight", "residual", "k_new", "v_new")}
     ptrs.update(block_tables="*i64", context_lens="*i64", query_start_loc="*i64", slot_mapping="*i64",
                 part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32", work="*i64", weight_scale="*fp32")
     fp8 = {"weight": "*fp8e4nv"}  # (an FP8 weight's kernels: HAS_SCALE)
-    fp8_cache = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}  # (kv_cache_dtype="fp8")
+    fp8_cache = {n: "*fp8e4nv" for n in ("k_cache", "v_cache", "k_new", "v_new")}  # (kv_cache_dtype="fp8")
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
         *[(prefill_attention._prefill_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
-                                                   PRECISION=precision, SPLITS=splits, MIN_PART=128),
+                                                   PRECISION=precision, SPLITS=splits, MIN_PART=128, NEW_KV=new_kv),
            fp8_cache if splits == 16 else {})
-          for splits in (1, 16)],
+          for splits, new_kv in ((1, False), (1, True), (16, True))],
         (prefill_attention._prefill_merge_kernel,
          dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, SPLITS=16, MIN_PART=128, MERGE_ROWS=16)),
         *[(decode_attention._decode_partition_kernel,
@@ -47,8 +47,8 @@ def main(dt: str) -> None:
           for splits in (1, 16) for mixed in (False, True)],
         *[(decode_attention._decode_merge_kernel, dict(HEAD_DIM=128, SPLITS=16, BLOCK_N=32, BLOCK_D=128, MIXED=mixed))
           for mixed in (False, True)],
-        *[(kv_store._rope_store_kernel, dict(BLOCK_SIZE=16, BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64), cache)
-          for cache in ({}, fp8_cache)],
+        *[(kv_store._rope_store_kernel, dict(BLOCK_SIZE=16, BLOCK_H=16, BLOCK_KH=2, BLOCK_D=64, NEW_KV=new_kv), cache)
+          for cache, new_kv in (({}, False), ({}, True), (fp8_cache, True))],
         (rms_norm._rms_norm_kernel, dict(BLOCK=2048)),
         (silu_mul._silu_mul_kernel, dict(BLOCK=1024)),
         *[(gemv._gemv_kernel, dict(HAS_BIAS=True, HAS_NORM=True, HAS_RESIDUAL=True, SILU_MUL=True, HAS_SCALE=scale,

@@ -60,6 +60,17 @@ def test_rope_and_store(dtype):
     assert torch.equal(caches[1], caches[3])  # values are copied exactly
     stored = (caches[0].abs().sum((2, 3)) > 0).sum().item()
     assert stored == tokens - 2
+    _assert_new_kv_as_stored(q, k, v, cos, sin, caches[2], caches[3], slots)
+
+
+def _assert_new_kv_as_stored(q, k, v, cos, sin, k_cache, v_cache, slots, *scales):
+    """rope_and_store_triton's new_kv: each stored token's K and V, as the cache holds them."""
+    new_kv = tuple(torch.zeros(k.shape, dtype=k_cache.dtype, device=DEV) for _ in range(2))
+    rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slots, *scales, new_kv=new_kv)
+    kept = slots >= 0
+    blocks, offsets = slots[kept] // k_cache.shape[1], slots[kept] % k_cache.shape[1]
+    for new, cache in zip(new_kv, (k_cache, v_cache)):
+        assert torch.equal(new[kept].float(), cache[blocks, offsets].float()) and new[kept].float().abs().sum() > 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -90,6 +101,7 @@ def test_rope_and_store_into_an_fp8_cache(dtype):
     )
     # keys rotated in fp32 on the GPU, in the dtype by the reference: within one step of e4m3 (1/8)
     torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=0.13, atol=2**-9)
+    _assert_new_kv_as_stored(q, k, v, cos, sin, k_out, v_out, slots, *scales)
     assert torch.equal(v_out.float(), v_ref.float())  # (values are stored as they come)
     assert v_ref.float().min() == -448.0  # (clamped)
     stored = to_cache(torch.tensor([1000.0, -1e9, 1.0]), k_ref, 0.5).float()
@@ -145,16 +157,41 @@ def _paged_batch(dtype, q_lens, prefix_lens, block_size, heads=6, kv_heads=2, di
     return to(query), k_cache, v_cache, to(tables), to(torch.tensor(ctx)), to(qsl), dim**-0.5
 
 
+def _take_new_kv(k_cache, v_cache, tables, ctx, qsl):
+    """The batch's new keys and values laid end to end as the queries are (rope_and_store_triton's
+    new_kv); the slots of the multi-query sequences' ones in the cache then hold NaN, so that the
+    prefill kernel reading them there instead fails (single queries: also the decode kernel's)."""
+    new_kv = [torch.zeros(int(qsl[-1]), *k_cache.shape[2:], dtype=k_cache.dtype, device=DEV) for _ in range(2)]
+    block_size = k_cache.shape[1]
+    for b in range(len(ctx)):
+        q0, q1, c = int(qsl[b]), int(qsl[b + 1]), int(ctx[b])
+        pos = torch.arange(c - (q1 - q0), c, device=DEV)
+        blocks, offsets = tables[b, pos // block_size].long(), pos % block_size
+        for cache, new in zip((k_cache, v_cache), new_kv):
+            new[q0:q1] = cache[blocks, offsets]
+            if q1 - q0 > 1:
+                cache[blocks, offsets] = float("nan")
+    return tuple(new_kv)
+
+
 @MASKED_LANES
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prefill_attention_with_cached_prefix(dtype, block_size):
+    """Against the reference; and with this step's keys and values laid end to end (new_kv, read
+    there: their slots in the cache are NaN then), the cached prefixes' through the table."""
     q_lens, prefix = [1, 5, 17, 33, 70], [0, 3, 16, 0, 9]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size)
     plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     out = prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=32)
     _close(out, ref, dtype)
+    new_kv = _take_new_kv(kc, vc, tables, ctx, qsl)
+    for bn in (32, 16):  # (the step's keys start mid-tile and mid-block)
+        out = prefill_attention_triton(
+            query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=bn, new_kv=new_kv
+        )
+        _close(out, ref, dtype)
 
 
 @MASKED_LANES
@@ -172,6 +209,12 @@ def test_prefill_attention_split_k_over_long_prefixes(dtype):
     for splits in (1, 2, None):  # query blocks of 32 rows, merged 16 at a time
         out = prefill_attention_triton(
             query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16, splits=splits
+        )
+        _close(out, ref, dtype)
+    new_kv = _take_new_kv(kc, vc, tables, ctx, qsl)  # (splits across the prefix and the step's keys)
+    for splits in (1, 2, None):
+        out = prefill_attention_triton(
+            query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=16, splits=splits, new_kv=new_kv
         )
         _close(out, ref, dtype)
 
@@ -194,6 +237,11 @@ def test_attention_kernels_read_an_fp8_cache(dtype):
         ref,
         dtype,
     )
+    new_kv = _take_new_kv(kc, vc, tables, ctx, qsl)  # (e4m3, as the cache holds them)
+    out = prefill_attention_triton(
+        query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=32, new_kv=new_kv
+    )
+    _close(out, ref, dtype)
     prefix = [0, 14, 40, 300]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, [1] * 4, prefix, 16, seed=6, kv_dtype=FP8)
     plan = plan_paged_attention(tables, ctx, qsl, 16, 1, int(ctx.max()))
@@ -236,6 +284,25 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
             query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=16, block_n=16, out=out, skip_single=True
         )
         _close(out, ref, dtype)
+    new_kv = _take_new_kv(kc, vc, tables, ctx, qsl)  # (as the engine runs a mixed step on the GPU)
+    out = torch.full_like(query, float("nan"))
+    decode_attention_triton(query, kc, vc, tables, ctx, scale, query_start_loc=qsl, out=out)
+    prefill_attention_triton(
+        query,
+        kc,
+        vc,
+        tables,
+        ctx,
+        qsl,
+        scale,
+        max(q_lens),
+        block_m=16,
+        block_n=16,
+        out=out,
+        skip_single=True,
+        new_kv=new_kv,
+    )
+    _close(out, ref, dtype)
 
 
 def test_prefill_splits_fill_the_gpu_within_the_program_cap():

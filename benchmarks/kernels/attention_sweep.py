@@ -2,7 +2,9 @@
 (12 query heads, 2 KV heads, head_dim 128, block size 16, bf16) over a sweep of tiles and launch
 options; each timing is 20 calls replayed from a CUDA graph (GPU only). Cases: the cold prefill of
 `picovllm bench prefix` scenario b (2,123 tokens), its warm hit (40 new tokens over 2,083 cached),
-and a serving chunk (448 tokens over 64 cached). "reversed": the work list longest-first. The
+and a serving chunk (448 tokens over 64 cached). "reversed": the work list longest-first; "new_kv":
+the step's own keys and values read laid end to end, as the engine runs it on a GPU (the cached
+prefix's through the block table; the rest of the sweep reads every key through the table). The
 warm hit and a late chunk of a 512-token prompt at a 128-token step budget (103 tokens over 409
 cached, as `profile_decode.py serve 128 64` sees them) also over key splits (num_splits() gives
 both 16 in a graph; each split at least 2 key tiles).
@@ -47,7 +49,11 @@ def main(only_splits: bool = False) -> None:
         query, kc, vc, tables, ctx, qsl = inputs(new, cached)
         flops = 4 * HEADS * DIM * sum(cached + i + 1 for i in range(new))
 
-        def time(bm, bn, warps, stages, reverse=False, splits=None):
+        pos = torch.arange(cached, cached + new, device="cuda")  # the step's keys and values, laid end to end
+        blocks, offsets = tables[0, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE
+        laid = (kc[blocks, offsets].contiguous(), vc[blocks, offsets].contiguous())
+
+        def time(bm, bn, warps, stages, reverse=False, splits=None, new_kv=False):
             work = torch.from_numpy(prefill_work([new], bm)[:: -1 if reverse else 1].copy()).cuda()
             return bench(
                 lambda: prefill_attention_triton(
@@ -65,6 +71,7 @@ def main(only_splits: bool = False) -> None:
                     num_warps=warps,
                     num_stages=stages,
                     splits=splits,
+                    new_kv=laid if new_kv else None,
                 ),
                 reps=20,
             )
@@ -77,10 +84,14 @@ def main(only_splits: bool = False) -> None:
                 continue
         results.sort()
         results += [] if only_splits else [(time(*results[0][1], reverse=True), results[0][1], True)]
-        for t, cfg, reverse in results[:3] + [r for r in results if r[1] == DEFAULT] + results[-1:]:
+        shown = [(*r, False) for r in results[:3] + [r for r in results if r[1] == DEFAULT] + results[-1:]]
+        for cfg in [] if only_splits else [results[0][1], DEFAULT]:
+            shown.append((time(*cfg, new_kv=True), cfg, False, True))
+        for t, cfg, reverse, new_kv in shown:
             print(
                 f"{name:13s} BLOCK_M={cfg[0]:3d} BLOCK_N={cfg[1]:3d} warps={cfg[2]} stages={cfg[3]}"
-                f"{' reversed' if reverse else '':9s}: {t * 1e6:7.1f} us {flops / t / 1e12:6.1f} TFLOP/s",
+                f"{' reversed' if reverse else '':9s}{' new_kv' if new_kv else '':7s}: {t * 1e6:7.1f} us "
+                f"{flops / t / 1e12:6.1f} TFLOP/s",
                 flush=True,
             )
         if cached > 3 * new:  # few queries over a long prefix: other key splits than num_splits() gives

@@ -85,7 +85,7 @@ def _decode_partition_kernel(
     m_i, l_i, acc = attend_paged_keys(qv, m_i, start, m_i, l_i, acc, k_cache, v_cache, block_tables + b * s_tb,
                                       s_tw, kvh, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start, end, d,
                                       dmask, scale, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=False, BLOCK_N=BLOCK_N,
-                                      PRECISION=PRECISION)
+                                      PRECISION=PRECISION, PAGED=True)
     out_mask = gmask[:, None] & dmask[None, :]
     if SPLITS == 1:  # the whole context in one program: the output, no partials to merge
         tl.store(out + row * s_ob + heads[:, None] * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),

@@ -73,12 +73,13 @@ def _rotate(x, t, h, d, s_xt, s_xh, s_xd, c, s, mask, half):
 
 @triton.jit
 def _rope_store_kernel(
-    q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+    q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, k_new, v_new,
     s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ct, s_ot, s_oh,
     c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,  # cache strides (block, slot, head, dim)
+    s_nt, s_nh,  # k_new's and v_new's
     num_heads, num_kv_heads, half, k_inv, v_inv,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, NEW_KV: tl.constexpr,
 ):
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -99,26 +100,40 @@ def _rope_store_kernel(
     kh = tl.arange(0, BLOCK_KH)[:, None]
     kmask = (kh < num_kv_heads) & dmask
     k1, k2 = _rotate(k, t, kh, d, s_kt, s_kh, s_kd, c, s, kmask, half)
+    k1, k2 = cache_value(k1, k_cache, k_inv), cache_value(k2, k_cache, k_inv)
     kdst = k_cache + blk * c_kb + off * c_ks + kh * c_kh
-    tl.store(kdst + d * c_kd, cache_value(k1, k_cache, k_inv), mask=kmask)
-    tl.store(kdst + (d + half) * c_kd, cache_value(k2, k_cache, k_inv), mask=kmask)
-    vdst = v_cache + blk * c_vb + off * c_vs + kh * c_vh
+    tl.store(kdst + d * c_kd, k1, mask=kmask)
+    tl.store(kdst + (d + half) * c_kd, k2, mask=kmask)
     vsrc = v + t * s_vt + kh * s_vh
-    tl.store(vdst + d * c_vd, cache_value(tl.load(vsrc + d * s_vd, mask=kmask), v_cache, v_inv), mask=kmask)
-    tl.store(vdst + (d + half) * c_vd, cache_value(tl.load(vsrc + (d + half) * s_vd, mask=kmask), v_cache, v_inv),
-             mask=kmask)
+    v1 = cache_value(tl.load(vsrc + d * s_vd, mask=kmask), v_cache, v_inv)
+    v2 = cache_value(tl.load(vsrc + (d + half) * s_vd, mask=kmask), v_cache, v_inv)
+    vdst = v_cache + blk * c_vb + off * c_vs + kh * c_vh
+    tl.store(vdst + d * c_vd, v1, mask=kmask)
+    tl.store(vdst + (d + half) * c_vd, v2, mask=kmask)
+    if NEW_KV:  # the same, laid end to end
+        kn, vn = k_new + t * s_nt + kh * s_nh, v_new + t * s_nt + kh * s_nh
+        tl.store(kn + d, k1, mask=kmask)
+        tl.store(kn + d + half, k2, mask=kmask)
+        tl.store(vn + d, v1, mask=kmask)
+        tl.store(vn + d + half, v2, mask=kmask)
 
 
-def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0,
+                          new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """new_kv: also write the stored tokens' K and V there, as the cache holds them, laid end to
+    end ([num_tokens, kv_heads, head_dim] each, contiguous; padding tokens' rows unwritten): the
+    prefill attention kernel reads a step's own keys from them."""
     num_tokens, num_heads, head_dim = q.shape
     half = head_dim // 2
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # (unwritten without new_kv)
+    assert new_kv is None or all(t.is_contiguous() and t.shape == k.shape for t in new_kv)
     _rope_store_kernel[(num_tokens,)](
-        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, k_new, v_new,
         *q.stride(), *k.stride(), *v.stride(), cos.stride(0), q_out.stride(0), q_out.stride(1),
-        *k_cache.stride(), *v_cache.stride(), num_heads, k.shape[1], half, 1.0 / k_scale, 1.0 / v_scale,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=next_pow2(num_heads), BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half), **pdl(q),
+        *k_cache.stride(), *v_cache.stride(), *(k.shape[1] * head_dim, head_dim), num_heads, k.shape[1], half,
+        1.0 / k_scale, 1.0 / v_scale, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(num_heads),
+        BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half), NEW_KV=new_kv is not None, **pdl(q),
     )
     return q_out
 

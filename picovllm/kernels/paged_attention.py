@@ -58,19 +58,27 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
                  c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, PAGED: tl.constexpr):
     """One key tile [n0, n0 + BLOCK_N) of attend_paged_keys; MASKED: keys past `end` (and with
     CAUSAL, keys after a query) are masked out; without it every key of the tile is read and seen."""
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < end
     if MASKED:
-        blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw, mask=nmask, other=0).to(tl.int64)
         kvmask = nmask[:, None] & dmask[None, :]
     else:
-        blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw).to(tl.int64)
         kvmask = dmask[None, :]
-    off = n % BLOCK_SIZE
-    kt = tl.load(k_cache + blk[:, None] * c_kb + off[:, None] * c_ks + kvh * c_kh + d[None, :] * c_kd,
+    if PAGED:
+        if MASKED:
+            blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw, mask=nmask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(table_row + (n // BLOCK_SIZE) * s_tw).to(tl.int64)
+        off = n % BLOCK_SIZE
+        k_rows = blk[:, None] * c_kb + off[:, None] * c_ks
+        v_rows = blk[:, None] * c_vb + off[:, None] * c_vs
+    else:  # keys laid end to end: key n at row n (c_ks, c_vs: the rows' strides)
+        k_rows = n[:, None] * c_ks
+        v_rows = n[:, None] * c_vs
+    kt = tl.load(k_cache + k_rows + kvh * c_kh + d[None, :] * c_kd,
                  mask=kvmask, other=0.0).to(qv.dtype)  # (an FP8 cache's keys in the queries' dtype)
     s = tl.dot(qv, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
     if MASKED:
@@ -82,8 +90,7 @@ def _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kv
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    vt = tl.load(v_cache + blk[:, None] * c_vb + off[:, None] * c_vs + kvh * c_vh + d[None, :] * c_vd,
-                 mask=kvmask, other=0.0).to(qv.dtype)
+    vt = tl.load(v_cache + v_rows + kvh * c_vh + d[None, :] * c_vd, mask=kvmask, other=0.0).to(qv.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
 
@@ -92,11 +99,15 @@ def _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kv
 def attend_paged_keys(qv, q_pos, q_first, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
                       c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd,
                       start, end, d, dmask, scale,
-                      BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                      PAGED: tl.constexpr):
     """The Triton kernels' shared inner loop: queries qv [M, D] attend to the keys at positions
     [start, end) of one sequence, read BLOCK_N at a time through its block table row, updating
     the online softmax (running max m_i, sum l_i, unnormalised acc). CAUSAL masks keys after each
-    query's position q_pos (q_first: the smallest of them).
+    query's position q_pos (q_first: the smallest of them). Without PAGED the keys are laid end to
+    end instead (key n at row n of k_cache and v_cache, strides c_ks and c_vs; no table): the
+    prefill kernel's view of a step's own keys, faster to read than through a block table (a
+    2,048-token prompt's attention 107 -> 85 us a layer, benchmarks/kernels/attention_sweep.py).
 
     The tiles that lie wholly before `end` and, with CAUSAL, before every query's position go
     first and unmasked; the rest (the context's last tile, the causal diagonal) masked. BLOCK_SIZE
@@ -108,9 +119,9 @@ def attend_paged_keys(qv, q_pos, q_first, m_i, l_i, acc, k_cache, v_cache, table
     for n0 in range(start, full, BLOCK_N):
         m_i, l_i, acc = _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
                                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
-                                     BLOCK_SIZE, False, CAUSAL, BLOCK_N, PRECISION)
+                                     BLOCK_SIZE, False, CAUSAL, BLOCK_N, PRECISION, PAGED)
     for n0 in range(full, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(qv, q_pos, m_i, l_i, acc, k_cache, v_cache, table_row, s_tw, kvh,
                                      c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, n0, end, d, dmask, scale,
-                                     BLOCK_SIZE, True, CAUSAL, BLOCK_N, PRECISION)
+                                     BLOCK_SIZE, True, CAUSAL, BLOCK_N, PRECISION, PAGED)
     return m_i, l_i, acc

@@ -93,12 +93,13 @@ def _query_block(query_start_loc, context_lens, b, mblk, SPLITS: tl.constexpr, B
 
 @triton.jit(do_not_specialize=["s_tb"])  # the block-table width changes from step to step
 def _prefill_kernel(
-    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml, k_new, v_new,
     s_qt, s_qh, s_qd, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, s_tb, s_tw, s_ot, s_oh,
-    s_at, s_ah, s_as, s_mt, s_mh,
+    s_at, s_ah, s_as, s_mt, s_mh, s_nt, s_nh, s_nd,
     scale, group,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, MIN_PART: tl.constexpr, USE_PDL: tl.constexpr,
+    NEW_KV: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     item = tl.load(work + tl.program_id(0))
@@ -125,11 +126,20 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # rows whose queries come before `start` see no key here (NaN partials): the merge skips them
-    m_i, l_i, acc = attend_paged_keys(qv, prefix + m, prefix + mblk * BLOCK_M, m_i, l_i, acc, k_cache, v_cache,
-                                      block_tables + b * s_tb,
+    stop = tl.minimum(start + part, end)
+    q_pos, q_first, table_row = prefix + m, prefix + mblk * BLOCK_M, block_tables + b * s_tb
+    paged_stop = tl.minimum(stop, prefix) if NEW_KV else stop  # (the step's own keys: k_new, v_new)
+    m_i, l_i, acc = attend_paged_keys(qv, q_pos, q_first, m_i, l_i, acc, k_cache, v_cache, table_row,
                                       s_tw, kvh, c_kb, c_ks, c_kh, c_kd, c_vb, c_vs, c_vh, c_vd, start,
-                                      tl.minimum(start + part, end), d, dmask, scale, BLOCK_SIZE=BLOCK_SIZE,
-                                      CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION)
+                                      paged_stop, d, dmask, scale, BLOCK_SIZE=BLOCK_SIZE,
+                                      CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION, PAGED=True)
+    if NEW_KV:  # key `prefix + i` is row q_start + i of k_new and v_new
+        first = q_start - prefix
+        m_i, l_i, acc = attend_paged_keys(qv, q_pos, q_first, m_i, l_i, acc, k_new + first * s_nt,
+                                          v_new + first * s_nt, table_row, s_tw, kvh, 0, s_nt, s_nh, s_nd, 0, s_nt,
+                                          s_nh, s_nd, tl.maximum(start, prefix), stop, d, dmask, scale,
+                                          BLOCK_SIZE=BLOCK_SIZE, CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION,
+                                          PAGED=False)
     out_mask = mmask[:, None] & dmask[None, :]
     if part >= end:  # the whole range in one split: the output, no partials to merge
         tl.store(out + rows[:, None] * s_ot + h * s_oh + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
@@ -188,14 +198,18 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
                              block_m: int = BLOCK_M, block_n: int | None = None, out: torch.Tensor | None = None,
                              skip_single: bool = False, splits: int | None = None,
                              work: torch.Tensor | None = None, num_warps: int | None = None,
-                             num_stages: int = 2) -> torch.Tensor:
+                             num_stages: int = 2,
+                             new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim] -> same shape. work: the work list
     (prefill_work(..., block_m), on the device); without it, it is built from query_start_loc
     (a device-to-host copy), leaving out the single-query sequences when skip_single (their rows
     of `out` are the decode kernel's). splits: key splits, a power of two (num_splits() unless
     given). block_n: keys per tile (BLOCK_N, or SPLIT_BLOCK_N from SPLIT_BLOCK_N_FROM splits).
     num_warps (default 8 from 128 queries per item, else 4), num_stages: the partition
-    kernel's launch options (2 stages: a little faster than 3 in every case swept)."""
+    kernel's launch options (2 stages: a little faster than 3 in every case swept). new_kv: this
+    step's keys and values as the cache holds them, laid end to end as the queries are
+    ([num_tokens, kv_heads, head_dim] each, one layout: rope_and_store's new_kv): each sequence's
+    keys of this step are read from them, its cached prefix's through the block table."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -215,12 +229,15 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         part_strides = (0,) * 5
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SPLITS=splits, MIN_PART=2 * block_n,
                   **pdl(query))
+    k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # (unread without new_kv)
+    assert new_kv is None or k_new.stride() == v_new.stride(), "k_new and v_new: one layout"
     _prefill_kernel[(work.numel(), num_heads, splits)](
-        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml,
-        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0), out.stride(1),
-        *part_strides, scale, num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml, k_new,
+        v_new, *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0),
+        out.stride(1), *part_strides, *(k_new.stride()[:3] if new_kv is not None else (0, 0, 0)), scale,
+        num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         PRECISION=dot_precision(query.dtype), num_warps=num_warps or (8 if block_m >= 128 else 4),
-        num_stages=num_stages, **consts,
+        num_stages=num_stages, NEW_KV=new_kv is not None, **consts,
     )
     if splits > 1:
         merge_rows = min(MERGE_ROWS, block_m)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from picovllm.kernels.decode_attention import decode_attention_triton
-from picovllm.kernels.kv_store import rope_and_store
+from picovllm.kernels.kv_store import rope_and_store, rope_and_store_triton
 from picovllm.kernels.paged_attention import AttentionPlan, paged_attention_ref, plan_paged_attention
 from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
 from picovllm.kernels.prefill_attention import num_work_items, prefill_attention_triton, prefill_work, work_block_m
@@ -111,18 +111,24 @@ class PagedAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q, k, v: [num_tokens, heads, head_dim] before RoPE; cos_sin: each token's rotation."""
-        q = rope_and_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, meta.slot_mapping, *self.kv_scales())
-        return self.attend(q, meta)
+        """q, k, v: [num_tokens, heads, head_dim] before RoPE; cos_sin: each token's rotation. A step
+        with prompt tokens on the GPU keeps its keys and values laid end to end as well (new_kv),
+        for the prefill kernel."""
+        store = (self.k_cache, self.v_cache, meta.slot_mapping, *self.kv_scales())
+        if not use_triton(q) or meta.max_query_len == 1:
+            return self.attend(rope_and_store(q, k, v, *cos_sin, *store), meta)
+        new_kv = tuple(torch.empty(k.shape, dtype=self.k_cache.dtype, device=k.device) for _ in range(2))
+        return self.attend(rope_and_store_triton(q, k, v, *cos_sin, *store, new_kv=new_kv), meta, new_kv)
 
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, heads, head_dim], rotated, this step's keys and values in the cache. An
-        FP8 cache's k_scale scales the scores (with the softmax's scale), its v_scale the output."""
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, new_kv=None) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim], rotated, this step's keys and values in the cache (and
+        in new_kv, if given: rope_and_store_triton's). An FP8 cache's k_scale scales the scores
+        (with the softmax's scale), its v_scale the output."""
         k_scale, v_scale = self.kv_scales()
-        out = self._attend(q, meta, self.scale * k_scale)
+        out = self._attend(q, meta, self.scale * k_scale, new_kv)
         return out if v_scale == 1.0 else out.mul_(v_scale)
 
-    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float, new_kv=None) -> torch.Tensor:
         if not use_triton(q):
             return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, scale)
         if meta.max_query_len == 1:
@@ -155,4 +161,5 @@ class PagedAttention(nn.Module):
             skip_single=meta.any_single_query,
             work=meta.prefill_work,
             block_m=meta.prefill_block_m,
+            new_kv=new_kv,
         )
