@@ -112,7 +112,7 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc
     smask = s * part < ctx
     m = tl.load(part_m + b * s_mb + h * s_mh + s, mask=smask, other=float("-inf"))
     l = tl.load(part_l + b * s_mb + h * s_mh + s, mask=smask, other=0.0)  # noqa: E741 (the softmax's m and l)
-    w = tl.where(smask, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    w = tl.where(smask, tl.math.exp2(m - tl.max(m, axis=0)), 0.0)  # (base 2: attend_paged_keys)
     acc = tl.load(part_acc + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
                   mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     res = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)

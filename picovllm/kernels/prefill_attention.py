@@ -183,8 +183,8 @@ def _prefill_merge_kernel(
         a_s = tl.load(part_acc + rows[:, None] * s_at + h * s_ah + s * s_as + d[None, :],
                       mask=seen[:, None] & dmask[None, :], other=0.0)
         new_m = tl.maximum(big_m, m_s)
-        alpha = tl.where(big_m == float("-inf"), 0.0, tl.exp(big_m - new_m))
-        beta = tl.where(seen, tl.exp(m_s - new_m), 0.0)
+        alpha = tl.where(big_m == float("-inf"), 0.0, tl.math.exp2(big_m - new_m))  # (base 2: attend_paged_keys)
+        beta = tl.where(seen, tl.math.exp2(m_s - new_m), 0.0)
         big_l = big_l * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
         big_m = new_m
