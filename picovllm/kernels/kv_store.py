@@ -131,7 +131,7 @@ def rope_and_store_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_s
     _rope_store_kernel[(num_tokens,)](
         q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, k_new, v_new,
         *q.stride(), *k.stride(), *v.stride(), cos.stride(0), q_out.stride(0), q_out.stride(1),
-        *k_cache.stride(), *v_cache.stride(), *(k.shape[1] * head_dim, head_dim), num_heads, k.shape[1], half,
+        *k_cache.stride(), *v_cache.stride(), *k_new.stride()[:2], num_heads, k.shape[1], half,
         1.0 / k_scale, 1.0 / v_scale, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(num_heads),
         BLOCK_KH=next_pow2(k.shape[1]), BLOCK_D=next_pow2(half), NEW_KV=new_kv is not None, **pdl(q),
     )

@@ -234,7 +234,7 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     _prefill_kernel[(work.numel(), num_heads, splits)](
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, out, part_acc, part_ml, k_new,
         v_new, *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), out.stride(0),
-        out.stride(1), *part_strides, *(k_new.stride()[:3] if new_kv is not None else (0, 0, 0)), scale,
+        out.stride(1), *part_strides, *k_new.stride()[-3:], scale,
         num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         PRECISION=dot_precision(query.dtype), num_warps=num_warps or (8 if block_m >= 128 else 4),
         num_stages=num_stages, NEW_KV=new_kv is not None, **consts,
