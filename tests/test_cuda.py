@@ -299,7 +299,7 @@ def test_mixed_step_graphs_equal_eager_steps(peaked_1p5b):
         max_num_batched_tokens=64,
     )
     graphed = LLM(**kw, mixed_graph_tokens=64)
-    assert graphed.llm_engine.executor.driver.model_runner.mixed_graphs.sizes == [16, 32, 64]
+    assert graphed.llm_engine.executor.driver.model_runner.mixed_graphs.sizes == [16, 32, 48, 64]
     print(f"\nCUDA graph capture with mixed steps: {graphed.llm_engine.graph_capture_s:.1f} s")
     ours = [o.token_ids for o in _greedy_outputs(graphed, prompts, 64)]
     del graphed

@@ -56,14 +56,19 @@ def test_prefill_inputs_sample_the_last_token_of_each_sequence():
 
 
 def test_mixed_graph_sizes_and_padding_choice():
-    assert mixed_graph_sizes(1) == [16] and mixed_graph_sizes(100) == [16, 32, 64, 128]
+    assert mixed_graph_sizes(1) == [16] and mixed_graph_sizes(100) == [16, 32, 48, 64, 80, 96, 112]
+    # a quarter of each octave apart (16 tokens at least): a step pads by less than a quarter
+    sizes = mixed_graph_sizes(2048)
+    assert sizes[-5:] == [1024, 1280, 1536, 1792, 2048] and len(sizes) == 24
+    assert all(s % 16 == 0 and s < b <= max(s + 16, s * 5 // 4) for s, b in zip(sizes, sizes[1:]))
     graphs = MixedGraphs(None, 100, max_num_seqs=4, max_model_len=64, block_size=4, device=torch.device("cpu"))
     assert graphs.padding(16, 3) == (16, 4, 9) and graphs.padding(17, 3).tokens == 32
     assert graphs.num_seqs(16) == 4 and graphs.padding(10, 5) is None  # more sequences than captured
-    assert graphs.padding(129, 1) is None  # more tokens than the largest graph
+    assert graphs.padding(113, 1) is None  # more tokens than the largest graph
     # prefill work: query blocks of 64 of the multi-token sequences, at most 8 more than T / 64
-    assert [graphs.work_capacity(t) for t in (16, 64, 128)] == [9, 9, 10]
-    assert graphs.padding(16, 3, 9).tokens == 16 and graphs.padding(16, 3, 10).tokens == 128
+    assert [graphs.work_capacity(t) for t in (16, 64, 80, 112)] == [9, 9, 10, 10]
+    assert graphs.padding(16, 3, 9).tokens == 16 and graphs.padding(16, 3, 10).tokens == 80
+    assert graphs.padding(65, 3).tokens == 80 and graphs.padding(100, 4).tokens == 112
     assert graphs.layout(16) == (48, 4, 5, 9)
 
 

@@ -8,7 +8,9 @@ every row, so its graph ends with the final norm and the LM head (the model's co
 and gives the logits, where the other steps give hidden states.
 
 Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: two graphs
-per token count in 16, 32, 64, ... up to mixed_graph_tokens, each for up to min(tokens,
+per token count (mixed_graph_sizes: 16, 32, 48, 64, 80, ..., 1024, 1280, ..., each a quarter of its
+octave above the one before, so that a step pads by less than a quarter: a prompt's GEMMs cost
+as many tokens as its graph has) up to mixed_graph_tokens, each for up to min(tokens,
 max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens: one runs the
 decode attention kernel for the sequences with one token, the other, for steps without such
 sequences (a lone prompt, a prefix-cache hit), leaves it out (its programs would all exit, but
@@ -182,15 +184,18 @@ class DecodeGraphs(_GraphSet):
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    """16, 32, 64, ... up to the first power of two that covers max_tokens."""
+    """16, 32, 48, 64, 80, 96, 112, 128, 160, ... up to the first that covers max_tokens: each
+    octave [p, 2p) in quarters (16 tokens at least). Powers of two alone padded a 1,100-token prompt
+    to 2,048 (benchmarks/README.md: time to first token by prompt length)."""
     sizes = [16]
     while sizes[-1] < max_tokens:
-        sizes.append(2 * sizes[-1])
+        octave = 1 << (sizes[-1].bit_length() - 1)  # (the power of two at or below)
+        sizes.append(sizes[-1] + max(16, octave // 4))
     return sizes
 
 
 class MixedGraphs(_GraphSet):
-    """Steps with prompt tokens, by token count T (a power of two from 16), for up to
+    """Steps with prompt tokens, by token count T (mixed_graph_sizes), for up to
     min(T, max_num_seqs) sequences and work_capacity(T) items of prefill attention work; keyed
     (T, decodes): decodes says whether the graph runs the decode kernel (some sequence has
     exactly one token).
