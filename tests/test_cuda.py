@@ -153,9 +153,19 @@ def _greedy_outputs(llm, prompts, n, logprobs=None):
 
 def test_cuda_graphs_equal_eager_kernels_at_batch_16():
     """Graph replay changes how kernels are launched, not what they compute: at a captured batch
-    size (no padding) the tokens are identical for 64 steps."""
+    size (no padding) the tokens are identical for 64 steps. The prompts run eagerly in both
+    engines: a mixed-step graph pads the step's tokens, and cuBLAS may choose other GEMM kernels
+    (another rounding) for the padded shape, so those graphs are compared up to near-ties (the
+    tests below)."""
     prompts = _prompts()
-    kw = dict(model="dummy:qwen2.5-1.5b", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16, seed=1)
+    kw = dict(
+        model="dummy:qwen2.5-1.5b",
+        device="cuda",
+        gpu_memory_utilization=0.3,
+        max_num_seqs=16,
+        seed=1,
+        mixed_graph_tokens=0,
+    )
     graphed = LLM(**kw, enforce_eager=False)
     assert graphed.llm_engine.graph_capture_s is not None
     print(f"\nCUDA graph capture: {graphed.llm_engine.graph_capture_s:.1f} s")
@@ -317,9 +327,9 @@ def _short_and_long_prompts(prompts: list[list[int]]) -> list[list[int]]:
     return [prompts[i] for i in (1, 5, 6, 8, 9)] + [sum(prompts[13:], [])[:1100]]
 
 
-def test_a_long_prompt_from_the_largest_mixed_graph_equals_eager(peaked_1p5b):
-    """With the default budget and mixed-step graphs (2,048 tokens), a 1,100-token prompt and five
-    short ones (1,600 tokens) prefill in one step replayed from the 2,048-token graph: the eager
+def test_a_long_prompt_from_a_large_mixed_graph_equals_eager(peaked_1p5b):
+    """With the default budget and mixed-step graphs (to 2,048 tokens), a 1,100-token prompt and
+    five short ones (1,600 tokens) prefill in one step replayed from the 1,792-token graph: the eager
     engine's greedy tokens up to its first near-tie (the long prompt, made of pieces, meets one
     after its first token, as in the test below)."""
     path, prompts = peaked_1p5b
@@ -336,12 +346,12 @@ def test_a_long_prompt_from_the_largest_mixed_graph_equals_eager(peaked_1p5b):
 
     graphs.fill = record
     ours = [o.token_ids for o in _greedy_outputs(graphed, prompts, 48)]
-    assert keys[0] == (2048, False), keys  # (the prompts' step; then their decodes, from decode graphs)
+    assert keys[0] == (1792, False), keys  # (the prompts' step; then their decodes, from decode graphs)
     del graphed, graphs, record  # (record holds the graphs' fill: the engine and its KV pool)
     _free_gpu()
     ref = _greedy_outputs(LLM(**kw, enforce_eager=True), prompts, 48, logprobs=2)
     compared = _compare_to_run(ours, ref, tol=0.5)
-    print(f"the 2,048-token mixed graph vs eager: tokens equal, per prompt: {compared}")
+    print(f"the 1,792-token mixed graph vs eager: tokens equal, per prompt: {compared}")
     assert sum(c >= 40 for c in compared[:-1]) >= 3 and compared[-1] >= 1, compared
     _free_gpu()
 
