@@ -268,7 +268,7 @@ class EngineConfig:
     mixed_graph_tokens: int = option(
         DEFAULT_MAX_NUM_BATCHED_TOKENS,
         "replay steps with prompt tokens of up to this many tokens from CUDA graphs too (token counts 16, 32, "
-        "48, ..., 1024, 1280, ...: a step pads to less than 1.25x its tokens; 0: they run eagerly)",
+        "48, ..., 1024, 1280, ...: a quarter of each octave apart, 16 at least; 0: they run eagerly)",
         bounds=Bounds(0, 8192),
     )
     async_scheduling: bool = option(

@@ -57,7 +57,7 @@ def test_prefill_inputs_sample_the_last_token_of_each_sequence():
 
 def test_mixed_graph_sizes_and_padding_choice():
     assert mixed_graph_sizes(1) == [16] and mixed_graph_sizes(100) == [16, 32, 48, 64, 80, 96, 112]
-    # a quarter of each octave apart (16 tokens at least): a step pads by less than a quarter
+    # a quarter of each octave apart (16 tokens at least): a step pads by at most a quarter or 16
     sizes = mixed_graph_sizes(2048)
     assert sizes[-5:] == [1024, 1280, 1536, 1792, 2048] and len(sizes) == 24
     assert all(s % 16 == 0 and s < b <= max(s + 16, s * 5 // 4) for s, b in zip(sizes, sizes[1:]))

@@ -8,10 +8,10 @@ every row, so its graph ends with the final norm and the LM head (the model's co
 and gives the logits, where the other steps give hidden states.
 
 Mixed steps (prompt tokens, with or without decodes), when mixed_graph_tokens > 0: two graphs
-per token count (mixed_graph_sizes: 16, 32, 48, 64, 80, ..., 1024, 1280, ..., each a quarter of its
-octave above the one before, so that a step pads by less than a quarter: a prompt's GEMMs cost
-as many tokens as its graph has) up to mixed_graph_tokens, each for up to min(tokens,
-max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens: one runs the
+per token count (mixed_graph_sizes: 16, 32, 48, 64, 80, ..., 1024, 1280, ..., each a quarter of
+its octave above the one before, 16 at least, so that a step pads by at most a quarter or 16
+tokens: a prompt's GEMMs cost as many tokens as its graph has) up to mixed_graph_tokens, each for
+up to min(tokens, max_num_seqs) sequences of which up to MAX_GRAPH_PREFILLS have several tokens: one runs the
 decode attention kernel for the sequences with one token, the other, for steps without such
 sequences (a lone prompt, a prefix-cache hit), leaves it out (its programs would all exit, but
 two kernels per layer still cost their launches). Padding tokens belong to no
