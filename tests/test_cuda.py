@@ -28,6 +28,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 N_TOKENS = 48
 PROMPT_LENS = [1, 7, 16, 17, 31, 64, 100, 128, 129, 200, 255, 300, 333, 400, 450, 511]
+# the dummy Qwen2.5-1.5B engine that the tests on _prompts() share (each adds its own options)
+DUMMY_1P5B = dict(model="dummy:qwen2.5-1.5b", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -158,14 +160,7 @@ def test_cuda_graphs_equal_eager_kernels_at_batch_16():
     (another rounding) for the padded shape, so those graphs are compared up to near-ties (the
     tests below)."""
     prompts = _prompts()
-    kw = dict(
-        model="dummy:qwen2.5-1.5b",
-        device="cuda",
-        gpu_memory_utilization=0.3,
-        max_num_seqs=16,
-        seed=1,
-        mixed_graph_tokens=0,
-    )
+    kw = dict(DUMMY_1P5B, seed=1, mixed_graph_tokens=0)
     graphed = LLM(**kw, enforce_eager=False)
     assert graphed.llm_engine.graph_capture_s is not None
     print(f"\nCUDA graph capture: {graphed.llm_engine.graph_capture_s:.1f} s")
@@ -186,14 +181,7 @@ def test_triton_kernels_equal_pytorch_reference_path(monkeypatch):
     from picovllm.kernels import triton_utils
 
     prompts = _prompts()
-    kw = dict(
-        model="dummy:qwen2.5-1.5b",
-        device="cuda",
-        gpu_memory_utilization=0.3,
-        max_num_seqs=16,
-        seed=1,
-        max_num_batched_tokens=256,
-    )
+    kw = dict(DUMMY_1P5B, seed=1, max_num_batched_tokens=256)
     kernels = [o.token_ids for o in _greedy_outputs(LLM(**kw), prompts, 64)]
     _free_gpu()
     monkeypatch.setattr(triton_utils, "ENABLED", False)
@@ -364,10 +352,9 @@ def test_async_scheduling_gives_the_same_tokens():
         SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=64, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    kw = dict(model="dummy:qwen2.5-1.5b", device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16)
     results = []
     for async_scheduling in (True, False):
-        llm = LLM(**kw, async_scheduling=async_scheduling)
+        llm = LLM(**DUMMY_1P5B, async_scheduling=async_scheduling)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if async_scheduling:
             assert llm.llm_engine.launcher.num_launched_ahead > 0
@@ -428,13 +415,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(monkeypatch):
         SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=48, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    kw = dict(
-        model="dummy:qwen2.5-1.5b",
-        device="cuda",
-        gpu_memory_utilization=0.3,
-        max_num_seqs=16,
-        max_num_batched_tokens=512,
-    )
+    kw = dict(DUMMY_1P5B, max_num_batched_tokens=512)
     results = []
     for on in (False, True):
         monkeypatch.setattr(triton_utils, "PDL", on)
