@@ -205,6 +205,12 @@ def _device_problem(value) -> str | None:
     return "must be auto, cpu or cuda (cuda:N for one GPU)"
 
 
+def _generation_config_problem(value) -> str | None:
+    if value in ("auto", "vllm") or os.path.isfile(os.path.join(str(value), "generation_config.json")):
+        return None
+    return "must be auto, vllm or a directory with a generation_config.json"
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the model weights. Names follow vLLM's EngineArgs;
@@ -218,6 +224,13 @@ class EngineConfig:
     )
     tokenizer: str | None = option(
         None, "a directory to load the tokenizer from (default: the model's; a dummy model has none unless given)"
+    )
+    generation_config: str = option(
+        "auto",
+        "requests' default sampling settings: auto, those of the model's generation_config.json (temperature, "
+        "top_p, top_k, min_p, repetition_penalty; its max_new_tokens bounds every request's max_tokens), as "
+        "vLLM's; vllm: none, SamplingParams' own; or a directory with a generation_config.json",
+        check=_generation_config_problem,
     )
     dtype: str = option("auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's)", check=_dtype_problem)
     device: str = option("auto", "auto, cpu or cuda (auto: cuda when available)", check=_device_problem)

@@ -42,6 +42,11 @@ class LLM:
         """Drop every cached KV block that no running request uses."""
         return self.llm_engine.reset_prefix_cache()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no sampling_params: SamplingParams' defaults under
+        those of the model's generation config (see EngineConfig.generation_config)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def get_metrics(self) -> dict[str, int]:
         """KV-cache and prefix-cache counters: kv_blocks_total, kv_blocks_free, kv_blocks_cached,
         prefix_cache_queried_tokens, prefix_cache_hit_tokens, num_running, num_waiting, ..."""
@@ -59,7 +64,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

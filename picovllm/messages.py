@@ -66,6 +66,7 @@ class EngineReady:
     kv_lease_s: float
     kv_compat: dict
     metrics: dict  # (LLMEngine.get_metrics' at the start: the KV pool's size, ...)
+    sampling_defaults: dict  # (the model's generation config's: LLMEngine.sampling_defaults)
 
 
 class CompletionDelta(NamedTuple):

@@ -52,6 +52,26 @@ def tiny_qwen(tmp_path_factory):
     return path, build_model(path, "qwen2")
 
 
+# the sampling settings a model's creator may recommend (Qwen2.5-Instruct's, temperature 0 here so
+# that outputs can be compared), and a bound on max_tokens
+GENERATION_CONFIG = {"temperature": 0.0, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 5}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_generation_config(tiny_qwen, tmp_path_factory):
+    """tiny_qwen's directory (its files linked) with GENERATION_CONFIG in its generation_config.json."""
+    import json
+
+    path = tmp_path_factory.mktemp("tiny_qwen_generation_config")
+    for name in os.listdir(tiny_qwen[0]):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(tiny_qwen[0], name), path / name)
+    with open(os.path.join(tiny_qwen[0], "generation_config.json")) as f:
+        config = {**json.load(f), "do_sample": True, **GENERATION_CONFIG}
+    (path / "generation_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """(path, HF model) of a tiny Llama: untied head, no bias."""

@@ -193,6 +193,32 @@ def test_chat_applies_template(llm):
         llm.chat([{"content": "no role"}])
 
 
+def test_the_models_generation_config_gives_the_default_sampling_params(
+    llm, tiny_qwen, tiny_qwen_generation_config, tmp_path
+):
+    from picovllm.model_source import sampling_defaults
+
+    gen = make_llm(tiny_qwen_generation_config)
+    defaults = gen.get_default_sampling_params()
+    expected = SamplingParams(temperature=0.0, top_p=0.8, top_k=20, repetition_penalty=1.05, max_tokens=5)
+    assert defaults == expected
+    prompts = ["The capital of France is", "Hello world"]
+    outputs = gen.generate(prompts, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in llm.generate(prompts, expected, use_tqdm=False)
+    ]
+    assert all(len(o.outputs[0].token_ids) <= 5 for o in outputs)
+    # the model without one, "vllm" (none), a directory's, a value SamplingParams refuses
+    assert llm.get_default_sampling_params() == SamplingParams()
+    assert sampling_defaults("vllm", tiny_qwen_generation_config) == {}
+    assert sampling_defaults(tiny_qwen_generation_config, tiny_qwen[0])["top_k"] == 20
+    (tmp_path / "generation_config.json").write_text('{"top_p": 1.5, "top_k": null}')
+    with pytest.raises(ValueError, match="generation_config.json: top_p .*--generation-config vllm"):
+        sampling_defaults(str(tmp_path), None)
+    with pytest.raises(ValueError, match="generation_config must be auto, vllm or a directory"):
+        make_llm(tiny_qwen[0], generation_config=str(tmp_path / "nowhere"))
+
+
 @pytest.mark.parametrize(
     "prompt,params,match",
     [

@@ -1,5 +1,6 @@
 """The picovllm command line on a tiny model."""
 
+import dataclasses
 import io
 import re
 import sys
@@ -205,6 +206,22 @@ def test_quiet_generate_separates_completions(tiny_qwen, capsys):
     )
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out.count("\n\n") >= 1
+
+
+def test_generate_takes_the_models_generation_config_under_its_flags(tiny_qwen_generation_config, capsys):
+    """The model's temperature (0) over the command's own 0.7, its max_new_tokens (5) bounding the
+    command's 256, and the command line's over both."""
+    from picovllm import LLM
+
+    llm = LLM(tiny_qwen_generation_config, device="cpu", dtype="float32", max_model_len=256)
+    for flags, params in (
+        ([], llm.get_default_sampling_params()),
+        (["--max-tokens", "2"], dataclasses.replace(llm.get_default_sampling_params(), max_tokens=2)),
+    ):
+        expected = llm.generate("Hello", dataclasses.replace(params, ignore_eos=True), use_tqdm=False)
+        argv = ["generate", "-m", tiny_qwen_generation_config, *ENGINE, *flags, "--ignore-eos", "-q", "Hello"]
+        assert main(argv) == 0
+        assert capsys.readouterr().out.strip() == expected[0].outputs[0].text.strip()
 
 
 def test_chat_reset_says_so_and_replies_carry_their_speed(tiny_qwen, monkeypatch, capsys):

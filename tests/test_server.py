@@ -2,6 +2,7 @@
 openai client and raw HTTP."""
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -471,6 +472,29 @@ def test_frozen_heap_freezes_the_start_up_heap_and_unfreezes_it():
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+def test_requests_default_to_the_models_generation_config_under_serves_flags(tiny_qwen_generation_config):
+    """What a request leaves out comes from serve's sampling flags (sampling_defaults), then the
+    model's generation config (reaching the server from the engine's process); the config's
+    max_new_tokens (5) bounds every request's max_tokens, as vLLM's."""
+    engine = EngineProcess(engine_args(tiny_qwen_generation_config, max_model_len=256, block_size=4))
+    url, stop = serve_in_thread(build_app(engine, MODEL, sampling_defaults={"max_tokens": 3}))
+    try:
+        llm = make_llm(tiny_qwen_generation_config, max_model_len=256, block_size=4)
+        conv = [{"role": "user", "content": "Hello"}]
+        defaults = llm.get_default_sampling_params()
+        for max_tokens, expected_tokens in ((None, 3), (50, 5), (4, 4)):
+            body = {"model": MODEL, "messages": conv, "max_tokens": max_tokens, "ignore_eos": True}
+            r = _post(url, "/v1/chat/completions", body, key=None).json()
+            params = dataclasses.replace(defaults, max_tokens=expected_tokens, ignore_eos=True)
+            assert r["choices"][0]["message"]["content"] == llm.chat(conv, params, use_tqdm=False)[0].outputs[0].text
+            assert r["usage"]["completion_tokens"] == expected_tokens
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 50, "ignore_eos": True}
+        assert _post(url, "/v1/completions", body, key=None).json()["usage"]["completion_tokens"] == 5
+    finally:
+        stop()
+        engine.shutdown()
 
 
 def test_engine_process_start_up_error_and_death(tiny_qwen):

@@ -34,7 +34,7 @@ from picovllm.engine.step_launcher import StepLauncher
 from picovllm.engine.structured_output import StructuredOutputManager, check_structured_outputs
 from picovllm.executor.executor import Executor, WorkerError
 from picovllm.kv_transfer_params import KVTransferParams
-from picovllm.model_source import resolve_model
+from picovllm.model_source import resolve_model, sampling_defaults
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
 
@@ -54,6 +54,7 @@ class LLMEngine:
         self.tokenizer_source = tokenizer_source(config, path)  # (a server's HTTP process loads it too)
         self.tokenizer = load_tokenizer(self.tokenizer_source) if self.tokenizer_source else None
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(config.generation_config, path)  # (by SamplingParams field)
 
         max_model_len = resolve_max_model_len(config, self.model_config)
         self.executor = Executor.get_class(config)(config, self.model_config, max_model_len, self.eos_token_ids)

@@ -155,8 +155,14 @@ def sampling_values(args: argparse.Namespace) -> dict:
     return values
 
 
-def sampling_params(args: argparse.Namespace, **defaults) -> SamplingParams:
-    return SamplingParams(**{**defaults, **sampling_values(args)})
+def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None, **defaults) -> SamplingParams:
+    """The command line's sampling options, over the model's (its generation config's:
+    LLMEngine.sampling_defaults), over the command's own defaults; the model's max_tokens bounds
+    the command's."""
+    model = dict(model_defaults or {})
+    if "max_tokens" in model and "max_tokens" in defaults:
+        model["max_tokens"] = min(model["max_tokens"], defaults["max_tokens"])
+    return SamplingParams(**{**defaults, **model, **sampling_values(args)})
 
 
 def options_markdown() -> str:

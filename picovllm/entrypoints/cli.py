@@ -231,6 +231,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     prompt_ids = _prompt_ids(kwargs, prompts, params, args.chat_template)
     llm = _start(kwargs, args.quiet)
+    params = sampling_params(args, llm.llm_engine.sampling_defaults, max_tokens=256, temperature=0.7)
     start = time.perf_counter()
     if len(prompts) == 1 and params.n == 1:  # (one completion: its text as it comes)
         outputs = [_stream(llm.llm_engine, prompts[0], prompt_ids[0], params, args)]
@@ -302,6 +303,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     engine = _start(engine_kwargs(args)).llm_engine
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
         raise ValueError("this model has no chat template")
+    params = sampling_params(
+        args, engine.sampling_defaults, max_tokens=1024, temperature=0.7, output_kind=RequestOutputKind.DELTA
+    )
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     _say("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:
@@ -585,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[engine, sampling],
         help="complete prompts",
         description="Complete each prompt (arguments, or one per line of --file); defaults: "
-        "--max-tokens 256 --temperature 0.7.",
+        "--max-tokens 256 --temperature 0.7, under the model's generation config (--generation-config).",
     )
     gen.add_argument("prompts", nargs="*", help="prompts to complete")
     gen.add_argument("--file", "-f", help="a file with one prompt per line ('-' for stdin)")
@@ -603,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[engine, sampling],
         help="interactive chat, streamed",
         description="Chat interactively; replies stream as they are generated; defaults: "
-        "--max-tokens 1024 --temperature 0.7.",
+        "--max-tokens 1024 --temperature 0.7, under the model's generation config (--generation-config).",
     )
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.add_argument(
@@ -620,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/metrics, /tokenize and /detokenize. Sampling options set the defaults "
-        "of requests that leave them out.",
+        "of requests that leave them out (over the model's generation config: --generation-config).",
     )
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -170,7 +170,7 @@ def engine_loop(
 
 class _Background:
     """What both kinds share: the streams, and delivering a step's outputs to them. A subclass
-    sets tokenizer, vocab_size and max_model_len, and sends commands (_send: AddRequest,
+    sets tokenizer, vocab_size, max_model_len and the rest below, and sends commands (_send: AddRequest,
     AbortRequest, StopEngine) to its engine."""
 
     tokenizer = None
@@ -180,6 +180,7 @@ class _Background:
     kv_compat: dict
     block_size: int
     kv_lease_s: float
+    sampling_defaults: dict  # (LLMEngine.sampling_defaults)
 
     def __init__(self, on_step=None):
         self.on_step = on_step  # called after each step with (self, outputs) (bench serve)
@@ -263,6 +264,7 @@ class AsyncEngine(_Background):
         self.vocab_size, self.max_model_len = engine.model_config.vocab_size, engine.max_model_len
         self.kv_role, self.block_size = engine.config.kv_role, engine.config.block_size
         self.kv_lease_s, self.kv_compat = engine.config.kv_lease_s, engine.kv_compat
+        self.sampling_defaults = engine.sampling_defaults
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
         self._thread.start()
@@ -324,6 +326,7 @@ def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
         config.kv_lease_s,
         engine.kv_compat,
         engine.get_metrics(),
+        engine.sampling_defaults,
     )
     for out in outputs:
         out.send(ready)
@@ -422,7 +425,7 @@ class EngineClient(_Background):
             raise ready.error
         self.vocab_size, self.max_model_len = ready.vocab_size, ready.max_model_len
         self.kv_role, self.block_size, self.kv_lease_s = ready.kv_role, ready.block_size, ready.kv_lease_s
-        self.kv_compat = ready.kv_compat
+        self.kv_compat, self.sampling_defaults = ready.kv_compat, ready.sampling_defaults
         self.tokenizer = load_tokenizer(ready.tokenizer) if ready.tokenizer else None
         self._metrics: dict[str, int] = ready.metrics
         self.num_running = 0  # (this client's requests in the running batch, as of the last step)

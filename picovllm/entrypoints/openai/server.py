@@ -94,11 +94,13 @@ def build_app(
     enable_auto_tool_choice: bool = True,
     log_stats: bool = True,
 ) -> FastAPI:
-    """The server's app; web_ui: the page at / (entrypoints/web), with the dashboard's /stats
-    (served either way); max_num_waiting: requests that may wait for the engine (None: no bound);
-    kv_secret: a prefill or decode instance's --kv-transfer-secret (see kv_transfer_secret);
-    tool_call_parser, enable_auto_tool_choice: tool calling (entrypoints/openai/tool_calls.py);
-    log_stats: a line of throughput and queues in the log every few seconds (entrypoints/web)."""
+    """The server's app; sampling_defaults: what requests leave out (serve's sampling flags, over
+    the engine's own from the model's generation config); web_ui: the page at / (entrypoints/web),
+    with the dashboard's /stats (served either way); max_num_waiting: requests that may wait for
+    the engine (None: no bound); kv_secret: a prefill or decode instance's --kv-transfer-secret
+    (see kv_transfer_secret); tool_call_parser, enable_auto_tool_choice: tool calling
+    (entrypoints/openai/tool_calls.py); log_stats: a line of throughput and queues in the log every
+    few seconds (entrypoints/web)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -115,12 +117,13 @@ def build_app(
         engine,
         served_model_name,
         api_key,
-        sampling_defaults or {},
+        {**engine.sampling_defaults, **(sampling_defaults or {})},
         metrics,
         max_num_waiting,
         secret,
         tool_call_parser,
         enable_auto_tool_choice,
+        max_tokens_bound=engine.sampling_defaults.get("max_tokens"),
     )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)

@@ -92,13 +92,14 @@ class ServerState:
     engine: AsyncEngine | EngineClient
     served_model_name: str
     api_key: str | None
-    sampling_defaults: dict
+    sampling_defaults: dict  # what a request leaves out: the model's generation config under serve's sampling flags
     metrics: ServerMetrics
     max_num_waiting: int | None = None
     kv_transfer_secret: str | None = None  # a prefill or decode instance's: what its router sends
     tool_call_parser: str = "hermes"  # tool_calls.TOOL_PARSERS: how "auto" finds the model's calls
     enable_auto_tool_choice: bool = True
     validating: int = 0  # requests past the door, their prompts being validated (not streams yet)
+    max_tokens_bound: int | None = None  # the generation config's max_new_tokens: vLLM's server-wide bound
 
     @property
     def tokenizer(self):
@@ -130,6 +131,13 @@ class ServerState:
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise APIError(400, "the server runs without a tokenizer: send token ids")
+
+    def max_tokens(self, requested: int | None, otherwise: int) -> int:
+        """A request's max_tokens: its own, else the server's default (serve's --max-tokens, the
+        generation config's max_new_tokens), else `otherwise` (OpenAI's default); at most the
+        generation config's max_new_tokens whichever it is."""
+        n = requested if requested is not None else self.sampling_defaults.get("max_tokens", otherwise)
+        return n if self.max_tokens_bound is None else min(n, self.max_tokens_bound)
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams, asking for DELTA outputs: a stream sends each step's as it

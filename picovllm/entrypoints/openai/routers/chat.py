@@ -68,9 +68,11 @@ async def chat(req: ChatCompletionRequest, state: State, raw_request: Request):
     tools, choice = _tools(req, state)
     text = chat_text(tokenizer, req.messages, req.add_generation_prompt, tools if choice != "none" else None)
     prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is None:  # OpenAI's default: as long as the context allows
-        max_tokens = max(1, state.max_model_len - len(prompt["prompt_token_ids"]))
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    room = max(1, state.max_model_len - len(prompt["prompt_token_ids"]))  # (OpenAI's default: all the context)
+    max_tokens = state.max_tokens(requested, room)
+    if requested is None:  # (a server's default beyond what the context allows: what it allows)
+        max_tokens = min(max_tokens, room)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = state.sampling_params(req, max_tokens, logprobs)
     structured_param = req.structured_field

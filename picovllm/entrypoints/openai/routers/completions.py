@@ -53,7 +53,7 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
     state.check_model(req.model)
     state.check_kv_secret(raw_request, req.kv_transfer_params)
     prompts = _prompt_list(req.prompt)
-    params = state.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    params = state.sampling_params(req, state.max_tokens(req.max_tokens, 16), req.logprobs)
     if req.echo:
         state.need_tokenizer()
         if req.logprobs is not None:  # (the prompt's tokens' too, as vLLM gives them)
