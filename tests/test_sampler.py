@@ -58,6 +58,42 @@ def test_top_k_then_top_p_renormalises():
     assert _kept(out) == [[0]]
 
 
+def test_top_p_keeps_ties_with_its_least_likely_token():
+    # 0.3 and 0.3 tie: the mass more likely than either is 0.4 < 0.5, so both stay (as top_k's ties)
+    logits = torch.tensor([[0.3, 0.4, 0.3, 0.0]]).log()
+    assert _kept(apply_top_k_top_p(logits, None, torch.tensor([0.5]))) == [[0, 1, 2]]
+    assert _kept(apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.5]), max_top_k=2)) == [[0, 1, 2]]
+
+
+def _top_k_top_p_reference(row: list[float], k: int, p: float) -> list[int]:
+    """The tokens kept, by definition: the k largest and their ties; of those, each token whose more
+    likely tokens' probability (renormalised over the k) is below p."""
+    kth = sorted(row, reverse=True)[k - 1]
+    kept = [i for i, x in enumerate(row) if x >= kth]
+    z = sum(math.exp(row[i]) for i in kept)
+    return [i for i in kept if sum(math.exp(row[j]) for j in kept if row[j] > row[i]) / z < p]
+
+
+def test_top_k_top_p_sorting_only_the_top_k_equals_sorting_everything():
+    """max_top_k: only that many logits of a row are sorted (torch.topk), not the vocabulary; the
+    same tokens stay as sorting every logit, and as the definition, ties included (logits rounded
+    to bf16 tie often)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 300
+    for trial in range(30):
+        logits = (torch.randn(6, vocab, generator=gen) * 2).bfloat16().float()
+        logits[0, :] = logits[0, 0]  # (all tied)
+        top_k = torch.randint(1, 25, (6,), generator=gen)
+        top_p = torch.rand(6, generator=gen) * 0.98 + 0.01
+        if trial % 3 == 0:
+            top_p = None
+        fast = apply_top_k_top_p(logits, top_k, top_p, max_top_k=int(top_k.max()))
+        assert _kept(fast) == _kept(apply_top_k_top_p(logits, top_k, top_p))
+        p = [1.0] * 6 if top_p is None else top_p.tolist()
+        assert _kept(fast) == [_top_k_top_p_reference(r, k, q) for r, k, q in zip(logits.tolist(), top_k.tolist(), p)]
+        assert torch.equal(fast[fast > NEG], logits[fast > NEG])  # kept logits unchanged
+
+
 def test_min_p_mask_exact():
     probs = torch.tensor([[0.5, 0.26, 0.24], [0.9, 0.05, 0.05]])
     out = apply_min_p(probs.log(), torch.tensor([0.5, 0.0]))
@@ -118,6 +154,15 @@ def test_seeded_sampling_independent_of_batch():
     assert alone == with_others
     assert len(set(alone)) > 3  # it really samples
     assert _sample_seq(SamplingParams(temperature=1.0, top_p=0.9, seed=43), []) != alone
+
+
+def test_seeded_top_k_sampling_independent_of_the_batchs_top_k():
+    """A seeded row's tokens are the same when the batch sorts only the top 20 of each row and when
+    another row (no top_k) makes it sort all of them."""
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.8, seed=42)
+    alone = _sample_seq(params, [])
+    assert alone == _sample_seq(params, [_req(SamplingParams(temperature=0.7, top_p=0.9))])
+    assert len(set(alone)) > 3
 
 
 def test_sampling_follows_the_distribution():

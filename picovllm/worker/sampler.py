@@ -1,7 +1,8 @@
 """Batched sampling on the device with per-request parameters (vLLM's semantics).
 
-Order: structured outputs' bitmask, min_tokens masking and penalties on the logits -> greedy rows take the argmax ->
-temperature -> min_p -> top_k -> top_p -> a draw by the exponential race (argmax of p / q with
+Order: structured outputs' bitmask, min_tokens masking and penalties on the logits -> greedy rows
+take the argmax -> temperature -> min_p -> top_k -> top_p (sorting each row's largest top_k
+logits, not its whole vocabulary) -> a draw by the exponential race (argmax of p / q with
 q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw without the softmax, which
 costs a pass over a 152k vocabulary per row), each seeded request drawing its noise
 from its own generator so that its samples do not depend on what else is in the batch.
@@ -36,6 +37,7 @@ class SamplingTensors:
     all_greedy: bool
     max_logprobs: int | None  # the largest logprobs=k asked for; None when no request asked
     bitmask: torch.Tensor | None = None  # [B, vocab / 32] int32: the tokens each row's grammar allows
+    max_top_k: int | None = None  # the largest of top_k (on the host): how many logits of a row are sorted
 
     @property
     def any_greedy(self) -> bool:
@@ -85,6 +87,7 @@ class SamplingTensors:
             all_greedy=all_greedy,
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             bitmask=None if batch.bitmask is None else pinned_to(batch.bitmask, device),
+            max_top_k=max(top_k),
         )
 
 
@@ -131,22 +134,36 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """top_k keeps the k largest logits (and ties with the k-th); top_p then keeps the smallest
-    set of most likely tokens whose probability reaches p (always at least one)."""
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
+) -> torch.Tensor:
+    """top_k keeps the k largest logits (and ties with the k-th); top_p then keeps each token whose
+    more likely tokens' probability (renormalised over those top_k kept) is below p: the smallest
+    set of most likely tokens that reaches p, and ties with its least likely (always one at least).
+    With a top_k only the max_top_k largest logits of each row are sorted (torch.topk; max_top_k,
+    the largest top_k, is known on the host), not the whole vocabulary: ties with a k-th beyond
+    them are counted."""
     if top_k is None and top_p is None:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab_size = logits.shape[1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab_size - top_k.clamp(1, vocab_size))[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
-    if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p[:, None])
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    width = min(max_top_k or vocab_size, vocab_size) if top_k is not None else vocab_size
+    values = logits.topk(width, dim=-1).values  # (descending)
+    kth = values.gather(1, top_k.clamp(1, width)[:, None] - 1) if top_k is not None else None
+    if top_p is None:
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    weights = (values - values[:, :1]).exp()  # (probabilities, not normalised)
+    if kth is not None:
+        weights = weights.masked_fill(values < kth, 0)
+        beyond = (logits >= kth).sum(dim=-1, keepdim=True) - (values >= kth).sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True) + beyond * (kth - values[:, :1]).exp()
+    else:
+        total = weights.sum(dim=-1, keepdim=True)
+    # a token stays if the tokens before it hold less than p: the first, and one past each such sum
+    below = torch.searchsorted(weights.cumsum(dim=-1), top_p[:, None] * total)
+    threshold = values.gather(1, (below + 1).clamp(max=width) - 1)
+    if kth is not None:  # (rounding at p = 1 never lets top_p keep what top_k dropped)
+        threshold = torch.maximum(threshold, kth)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
 class Sampler:
@@ -166,7 +183,7 @@ class Sampler:
             logits = logits / t.temperature[:, None]
             if t.min_p is not None:
                 logits = apply_min_p(logits, t.min_p)
-            logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+            logits = apply_top_k_top_p(logits, t.top_k, t.top_p, t.max_top_k)
             # Exp(1) noise as -log(U): on the CPU four times faster than exponential_()
             uniform = torch.rand_like(logits)
             for i, gen in enumerate(t.generators):
