@@ -111,6 +111,36 @@ def test_penalties_as_vllm_defines_them():
     torch.testing.assert_close(out, torch.tensor([[1.0, -4.75, -0.5, 0.5, -1.0]]))
 
 
+def _dense_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The penalties over the whole vocabulary, as their definition reads."""
+    vocab = logits.shape[1]
+    counts = [torch.bincount(ids[ids < vocab], minlength=vocab).float() for ids in t.output_ids]
+    output_counts = torch.stack(counts)
+    seen = torch.stack([torch.bincount(ids[ids < vocab], minlength=vocab) > 0 for ids in t.prompt_ids])
+    seen |= output_counts > 0
+    rep = torch.where(seen, t.repetition_penalty, 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    return logits - t.frequency_penalty * output_counts - t.presence_penalty * (output_counts > 0)
+
+
+def test_penalties_at_the_seen_tokens_equal_them_over_the_vocabulary():
+    """Rows of different lengths (padding), repeated tokens, a token in both prompt and output, a
+    row with no output yet, and one without penalties beside them."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 40
+    reqs = []
+    for i in range(6):
+        prompt = torch.randint(0, vocab, (1 + 7 * i,), generator=gen).tolist()
+        output = torch.randint(0, vocab, (0 if i == 2 else 3 * i + 1,), generator=gen).tolist()
+        params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+        reqs.append(_req(SamplingParams() if i == 4 else params, prompt, output + prompt[:2]))
+    t = _tensors(reqs, vocab)
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    before = logits.clone()
+    torch.testing.assert_close(apply_penalties(logits, t), _dense_penalties(logits, t), rtol=0, atol=0)
+    assert torch.equal(logits, before)  # (the model's logits are left as they were)
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     sampler = Sampler()
     logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])

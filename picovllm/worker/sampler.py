@@ -109,22 +109,24 @@ def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
-def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] occurrence counts of ids (padding id vocab_size is dropped)."""
-    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """repetition: tokens seen in prompt or output get logit / p if positive, logit * p if not;
-    frequency and presence: logit -= f * count_in_output + r * (count_in_output > 0)."""
+    frequency and presence: logit -= f * count_in_output + r * (count_in_output > 0). Computed at
+    the tokens the prompt and output hold (gathered, then scattered into a copy), not over the
+    vocabulary. A row's padding (vocab_size) stands for its first prompt token: each value written
+    is a function of its token (and row), so a token written twice gets the same value twice."""
     vocab_size = logits.shape[1]
-    output_counts = _token_counts(t.output_ids, vocab_size)
-    seen = (_token_counts(t.prompt_ids, vocab_size) > 0) | (output_counts > 0)
-    rep = torch.where(seen, t.repetition_penalty, 1.0)
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    return logits - t.frequency_penalty * output_counts - t.presence_penalty * (output_counts > 0)
+    prompt, output = t.prompt_ids, t.output_ids
+    first = prompt[:, :1]  # (prompts are never empty)
+    output_ids = torch.where(output < vocab_size, output, first)
+    seen = torch.cat([torch.where(prompt < vocab_size, prompt, first), output_ids], dim=1)
+    x = logits.gather(1, seen)
+    rep = t.repetition_penalty
+    penalised = logits.scatter(1, seen, torch.where(x > 0, x / rep, x * rep))
+    ordered = output.sort(dim=1).values  # (each output token's count: where its run starts and ends)
+    counts = (torch.searchsorted(ordered, output_ids, right=True) - torch.searchsorted(ordered, output_ids)).float()
+    y = penalised.gather(1, output_ids)
+    return penalised.scatter_(1, output_ids, y - t.frequency_penalty * counts - t.presence_penalty * (counts > 0))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
