@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from picovllm.messages import SamplerOutput, SamplingBatch
@@ -92,8 +93,12 @@ class SamplingTensors:
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    return to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
+    """Rows of token ids as one [rows, longest] tensor padded with pad (numpy fills a row from a list
+    three times faster than torch.tensor reads lists of lists)."""
+    padded = np.full((len(rows), max(1, max(map(len, rows)))), pad, dtype=np.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return pinned_to(torch.from_numpy(padded), device)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
