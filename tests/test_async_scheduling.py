@@ -10,7 +10,7 @@ from picovllm import SamplingParams
 @pytest.fixture(scope="module")
 def engines(tiny_qwen):
     kw = dict(block_size=4, max_num_seqs=4)
-    return make_llm(tiny_qwen[0], async_scheduling=True, **kw), make_llm(tiny_qwen[0], **kw)
+    return make_llm(tiny_qwen[0], async_scheduling=True, **kw), make_llm(tiny_qwen[0], async_scheduling=False, **kw)
 
 
 def _run(llm, prompts, params):
@@ -36,6 +36,21 @@ def test_outputs_equal_the_synchronous_engine(engines):
     before = fast.llm_engine.launcher.num_launched_ahead
     assert _run(fast, prompts, params) == _run(sync, prompts, params)
     assert fast.llm_engine.launcher.num_launched_ahead > before  # the fast path was taken
+
+
+def test_penalties_are_launched_ahead_and_count_the_token_in_flight(engines):
+    """Penalties read a request's tokens so far, whose last is still on the device when its next
+    step is launched: the model runner counts it there."""
+    fast, sync = engines
+    prompts = ["Hello", "a b c d e f g", "x"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=2.0, frequency_penalty=1.0),
+        SamplingParams(temperature=0, max_tokens=24, presence_penalty=2.0, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=5, max_tokens=24),
+    ]
+    before = fast.llm_engine.launcher.num_launched_ahead
+    assert _run(fast, prompts, params) == _run(sync, prompts, params)
+    assert fast.llm_engine.launcher.num_launched_ahead > before + 10
 
 
 def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):

@@ -171,7 +171,8 @@ def _assert_same(ours, ref, tol=1e-4):
     ids=["qwen2-tp2", "llama-tp2-kv-replicated", "qwen2-tp4-kv-replicated"],
 )
 def test_tp_generates_what_tp1_generates(tmp_path, arch, kv_heads, tie, tp):
-    """Greedy and seeded n=2 requests with logprobs, prompts sharing a prefix (prefix caching),
+    """Greedy (with a repetition penalty, counting the token in flight on rank 0) and seeded n=2
+    requests with logprobs, prompts sharing a prefix (prefix caching),
     chunked under a 24-token budget, in a pool of 24 blocks that makes requests preempt; steps
     launched ahead (async scheduling), whose sampled tokens reach the other ranks from rank 0."""
     import multiprocessing
@@ -183,7 +184,7 @@ def test_tp_generates_what_tp1_generates(tmp_path, arch, kv_heads, tie, tp):
     shared = list(range(50, 70))
     prompts = [{"prompt_token_ids": shared + list(range(100 + i, 100 + i + 3 * i + 2))} for i in range(6)]
     params = [
-        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
+        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1, repetition_penalty=1.3)
         if i % 2
         else SamplingParams(temperature=0.8, n=2, seed=i, max_tokens=14, ignore_eos=True, logprobs=1)
         for i in range(6)

@@ -67,12 +67,20 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | N
 
 def _reads_output(req: Request) -> bool:
     """Whether req's next sample depends on its output so far: penalties, or a min_tokens ban."""
-    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens
+    return req.params.has_penalties or _counts_output(req)
+
+
+def _counts_output(req: Request) -> bool:
+    """Whether req's next sample depends on how many tokens it has (a min_tokens ban, decided on
+    the host): its step is not launched ahead of the token in flight. (Penalties are: the model
+    runner appends that token to the output the host sends, SamplingTensors.with_in_flight.)"""
+    return req.num_output_tokens < req.params.min_tokens
 
 
 def sampling_batch(reqs: list[Request], finished_ids: list[str], bitmask=None) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data (a pending row's output so
-    far lacks its token in flight: launching ahead is off with penalties or a min_tokens ban),
+    far lacks its token in flight: the model runner appends it for the penalties, and launching
+    ahead is off with a min_tokens ban),
     with their grammars' bitmask (BitmaskFiller; None: none, or filled later: deferred)."""
     penalties = any(r.params.has_penalties for r in reqs)
     return SamplingBatch(
@@ -223,8 +231,9 @@ class StepLauncher:
         step's tokens are read when its schedule does not depend on them
         (Scheduler.schedule_ahead), else None: the requests that sampled in `step` decode the
         tokens it sampled, the others' prompt chunks and new admissions follow; not when a
-        request's sampling depends on its output so far (penalties, a min_tokens ban; a grammar's
-        bitmask waits for the tokens instead: launch's defer)."""
+        request's sampling depends on how many tokens it has (a min_tokens ban; penalties count
+        the token in flight on the device, a grammar's bitmask waits for the tokens: launch's
+        defer)."""
         batch, rows = self._schedule_ahead(step)
         if batch is None:
             return self.sample_deferred(step), None
@@ -237,7 +246,7 @@ class StepLauncher:
         if not reqs:
             return None, []
         running = set(map(id, self.scheduler.running))
-        if any(id(r) not in running or _reads_output(r) for r in reqs):
+        if any(id(r) not in running or _counts_output(r) for r in reqs):
             return None, []
         # a request whose token in flight is its last (max_tokens, max_model_len) finishes
         # whatever that token is: it does not go on

@@ -82,6 +82,7 @@ class ModelRunner:
         self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None
         self._deferred: tuple | None = None  # (run with defer: its logits, sampling tensors, prompt logprobs)
         self._prompt: tuple | None = None  # (the step's prompt logprobs, from step_logits to run)
+        self._in_flight: torch.Tensor | None = None  # (the step's pending rows' tokens, from prepare to run)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None  # (the KV cache's host tier, kv_offload_memory)
@@ -181,6 +182,7 @@ class ModelRunner:
                     pending = torch.empty(num_pending, dtype=torch.long, device=self.device)
                 tp_broadcast(pending)
             inputs.input_ids[:num_pending].copy_(pending)
+        self._in_flight = pending if num_pending else None  # (rank 0's penalties count them: run)
         return inputs, graphs
 
     def _build(self, step: StepInputs) -> tuple[ModelInputs, DecodeGraphs | MixedGraphs | None]:
@@ -364,10 +366,13 @@ class ModelRunner:
         # the device through pinned memory, which never waits for the queued forward.
         if sampling is None or not sampling.num_rows:
             return self._with_prompt(None, prompt)
+        tensors = self._sampling_tensors(sampling)
+        if tensors.output_ids is not None and self._in_flight is not None:  # (penalties, launched ahead)
+            tensors = tensors.with_in_flight(self._in_flight, self.model_cfg.vocab_size)
         if defer:
-            self._deferred = (logits, self._sampling_tensors(sampling), prompt)
+            self._deferred = (logits, tensors, prompt)
             return None
-        return self._with_prompt(self.sampler(logits, self._sampling_tensors(sampling)), prompt)
+        return self._with_prompt(self.sampler(logits, tensors), prompt)
 
     def sample_deferred(self, bitmask: torch.Tensor | None) -> SamplerOutput:
         """The samples of the step run with defer, under bitmask (its rows' grammars)."""

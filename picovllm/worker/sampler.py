@@ -11,6 +11,7 @@ Log-probabilities are those of the raw model output.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,14 @@ class SamplingTensors:
     @property
     def any_greedy(self) -> bool:
         return self.all_greedy or self.greedy is not None
+
+    def with_in_flight(self, tokens: torch.Tensor, vocab_size: int) -> SamplingTensors:
+        """These tensors with the first len(tokens) rows' tokens in flight (sampled, still on the
+        device: a step launched ahead decodes them) appended to their output_ids, which the host
+        built without them, so that the penalties count them."""
+        column = torch.full((self.output_ids.shape[0], 1), vocab_size, dtype=torch.long, device=tokens.device)
+        column[: tokens.shape[0], 0] = tokens
+        return dataclasses.replace(self, output_ids=torch.cat([self.output_ids, column], dim=1))
 
     @classmethod
     def from_batch(
