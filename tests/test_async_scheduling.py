@@ -53,6 +53,33 @@ def test_penalties_are_launched_ahead_and_count_the_token_in_flight(engines):
     assert fast.llm_engine.launcher.num_launched_ahead > before + 10
 
 
+def test_penalties_send_the_prompts_once_while_the_same_requests_sample(engines, monkeypatch):
+    """The prompts (which the penalties read) reach the sampler once while the same requests
+    sample step after step, again when the batch changes (requests finishing at different
+    lengths, others admitted in their place); the outputs, every step. Tokens as the synchronous
+    engine's."""
+    from picovllm.worker import sampler
+
+    fast, sync = engines
+    prompts = [{"prompt_token_ids": list(range(100 + 9 * i, 130 + 14 * i))} for i in range(6)]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=6 + 3 * i, repetition_penalty=1.2, frequency_penalty=0.5, ignore_eos=True
+        )
+        for i in range(6)
+    ]
+    expected = _run(sync, prompts, params)
+    padded = []
+    pad = sampler._pad
+    monkeypatch.setattr(sampler, "_pad", lambda rows, *a: padded.append(rows) or pad(rows, *a))
+    steps = fast.llm_engine.num_steps
+    assert _run(fast, prompts, params) == expected
+    steps = fast.llm_engine.num_steps - steps
+    prompt_pads = sum(len(rows[0]) >= 30 for rows in padded)  # (prompts: 30 tokens or more; outputs: 21 at most)
+    assert len(padded) - prompt_pads >= steps - 2  # (the outputs: every step that samples)
+    assert prompt_pads <= 12 < steps  # (the batch changes as each request joins and leaves it)
+
+
 def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
     """Requests that stop (EOS, max_tokens) or are aborted while the next step is already
     launched: their extra token is dropped, invariants hold after every step, and every block

@@ -77,18 +77,23 @@ def _counts_output(req: Request) -> bool:
     return req.num_output_tokens < req.params.min_tokens
 
 
-def sampling_batch(reqs: list[Request], finished_ids: list[str], bitmask=None) -> SamplingBatch:
+def sampling_batch(
+    reqs: list[Request], finished_ids: list[str], bitmask=None, prompt_ids: list[list[int]] | None = None
+) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data (a pending row's output so
     far lacks its token in flight: the model runner appends it for the penalties, and launching
-    ahead is off with a min_tokens ban),
-    with their grammars' bitmask (BitmaskFiller; None: none, or filled later: deferred)."""
+    ahead is off with a min_tokens ban), with their grammars' bitmask (BitmaskFiller; None: none,
+    or filled later: deferred). prompt_ids: the same requests' in the batch before (the very
+    list: the model runner then reuses its tensor)."""
     penalties = any(r.params.has_penalties for r in reqs)
+    if penalties and prompt_ids is None:
+        prompt_ids = [r.prompt_token_ids for r in reqs]
     return SamplingBatch(
         [r.request_id for r in reqs],
         [r.params for r in reqs],
         [r.seed for r in reqs],
         [r.num_output_tokens for r in reqs],
-        [r.prompt_token_ids for r in reqs] if penalties else None,
+        prompt_ids if penalties else None,
         [r.output_token_ids for r in reqs] if penalties else None,
         finished_ids,
         bitmask,
@@ -109,7 +114,7 @@ class StepLauncher:
         self.inflight: LaunchedStep | None = None  # a step launched ahead, its tokens not read yet
         self.filler = filler  # (the structured outputs' bitmasks: StructuredOutputManager's)
         self._filling: Future | None = None  # the bitmask of the step launched ahead (take_tokens)
-        self._last_sampling: tuple[list[Request], SamplingBatch] | None = None  # (see _sampling_batch)
+        self._last_sampling: tuple[list[Request], SamplingBatch, bool] | None = None  # (see _sampling_batch)
         self.num_launched_ahead = 0
 
     def next_step(self) -> LaunchedStep | None:
@@ -205,25 +210,21 @@ class StepLauncher:
     def _sampling_batch(self, reqs: list[Request], deferred: bool = False) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
         has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
-        reached, no bitmask: none of them has a grammar, or theirs comes later); else a new one.
+        reached, no bitmask: none of them has a grammar, or theirs comes later); else a new one,
+        with the previous one's prompts (the very list) when the same requests sample again.
         This is the one place that decides: rank 0's model runner reuses its sampling tensors
-        exactly when it gets the batch it got last."""
+        exactly when it gets the batch it got last, and its prompts' tensor when it gets their list."""
         finished = self.scheduler.take_finished_ids()
         # a grammar's bitmask changes every step: in the batch unless it comes later (deferred)
         bitmask = None if deferred else self.filler.fill(reqs)
         last = self._last_sampling
-        if (
-            not finished
-            and bitmask is None
-            and last is not None
-            and len(last[0]) == len(reqs)
-            and all(map(operator.is_, last[0], reqs))
-        ):
+        same = not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs))
+        if same and bitmask is None and last[2]:
             return last[1]
-        batch = sampling_batch(reqs, finished, bitmask)
+        batch = sampling_batch(reqs, finished, bitmask, last[1].prompt_ids if same else None)
         # (a batch is sent once with the ids of the requests finished before it)
         static = not finished and bitmask is None and not any(map(_reads_output, reqs))
-        self._last_sampling = (reqs, batch) if static else None
+        self._last_sampling = (reqs, batch, static)
         return batch
 
     def launch_ahead(self, step: LaunchedStep) -> tuple[LaunchedStep, LaunchedStep | None]:

@@ -324,7 +324,8 @@ class ModelRunner:
     def _sampling_tensors(self, batch: SamplingBatch) -> SamplingTensors:
         """The batch's sampling tensors. The engine decides when they can be reused: it sends the
         very batch it sent last when the same requests sample again and nothing in them changes
-        per step (StepLauncher._sampling_batch); then the tensors built for it serve again."""
+        per step (StepLauncher._sampling_batch); then the tensors built for it serve again. With
+        the very prompts' list of the batch before (penalties), their tensor serves again."""
         cached = self._sampling_cache  # (the batch last built, its tensors)
         if cached is not None and cached[0] is batch:
             return cached[1]
@@ -332,7 +333,12 @@ class ModelRunner:
         generators = [
             None if seed is None else self._generator(rid, seed) for rid, seed in zip(batch.request_ids, batch.seeds)
         ]
-        tensors = SamplingTensors.from_batch(batch, generators, self.model_cfg.vocab_size, self.eos_ids, self.device)
+        prompts = None  # (the same requests' prompts, in the tensor built for the batch before)
+        if cached is not None and batch.prompt_ids is not None and batch.prompt_ids is cached[0].prompt_ids:
+            prompts = cached[1].prompt_ids
+        tensors = SamplingTensors.from_batch(
+            batch, generators, self.model_cfg.vocab_size, self.eos_ids, self.device, prompts
+        )
         self._sampling_cache = (batch, tensors)
         return tensors
 

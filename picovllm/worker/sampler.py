@@ -61,7 +61,9 @@ class SamplingTensors:
         vocab_size: int,
         eos_ids: set[int],
         device: torch.device,
+        prompt_ids: torch.Tensor | None = None,
     ) -> SamplingTensors:
+        """prompt_ids: the batch's prompts padded, built before for the same list (else built here)."""
         params = batch.params
 
         def column(values, dtype=torch.float32, off=None):
@@ -88,7 +90,9 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty for p in params])[:, None] if penalties else None,
             presence_penalty=column([p.presence_penalty for p in params])[:, None] if penalties else None,
             frequency_penalty=column([p.frequency_penalty for p in params])[:, None] if penalties else None,
-            prompt_ids=_pad(batch.prompt_ids, vocab_size, device) if penalties else None,
+            prompt_ids=(prompt_ids if prompt_ids is not None else _pad(batch.prompt_ids, vocab_size, device))
+            if penalties
+            else None,
             output_ids=_pad(batch.output_ids, vocab_size, device) if penalties else None,
             banned=(to_device(banned_rows, torch.long, device), to_device(banned_ids, torch.long, device))
             if banned_rows
