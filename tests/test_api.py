@@ -231,6 +231,7 @@ def test_the_models_generation_config_gives_the_default_sampling_params(
         (12, None, "must be a string"),
         ("Hello " * 600, None, "max_model_len"),
         ("Hello", SamplingParams(max_tokens=2000), "max_model_len"),
+        ("Hello", SamplingParams(min_tokens=1, stop_token_ids=[5, 99999]), "stop_token_ids.*99999.*out of range"),
     ],
 )
 def test_bad_input_rejected_and_engine_keeps_serving(llm, prompt, params, match):

@@ -239,6 +239,7 @@ def _post(url, path, body, key=KEY):
         ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        ("/v1/completions", {"prompt": "Hi", "min_tokens": 1, "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
         ("/v1/completions", {"prompt": "Hi", "guided_regex": "a("}, 400, "guided_regex"),
         ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json": {"type": "x"}}}, 400, "structured_outputs"),
         (

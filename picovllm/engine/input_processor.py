@@ -70,6 +70,9 @@ def process_prompt(
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
         )
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:  # (a min_tokens ban would index the logits with it)
+        raise ValueError(f"stop_token_ids: token id {bad} is out of range [0, {vocab_size})")
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (the engine was started without one)")
     return text, ids
