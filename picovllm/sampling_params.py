@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
@@ -71,7 +72,8 @@ class SamplingParams:
     model distribution) at each step, plus the sampled token's; ``prompt_logprobs=k`` the same for
     each prompt token given the ones before it (RequestOutput.prompt_logprobs; the request's prompt
     is computed whole, without prefix-cache hits). structured_outputs constrains the output
-    (StructuredOutputsParams).
+    (StructuredOutputsParams). logit_bias adds its value to each of its token ids' logits before
+    anything else reads them (the penalties, greedy's choice, the draw), as vLLM's and OpenAI's.
     """
 
     n: int = 1
@@ -95,6 +97,7 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -168,6 +171,16 @@ class SamplingParams:
             "must be a StructuredOutputsParams",
         )
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        need(
+            self.logit_bias is None
+            or isinstance(self.logit_bias, dict)
+            and all(
+                is_int(t) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
+                for t, b in self.logit_bias.items()
+            ),
+            "logit_bias",
+            "must map token ids (integers >= 0) to finite numbers",
+        )
 
     @property
     def greedy(self) -> bool:

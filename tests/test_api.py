@@ -219,6 +219,17 @@ def test_the_models_generation_config_gives_the_default_sampling_params(
         make_llm(tiny_qwen[0], generation_config=str(tmp_path / "nowhere"))
 
 
+def test_logit_bias_steers_every_token(llm):
+    out = llm.generate(
+        "Hello", SamplingParams(temperature=0.8, seed=1, max_tokens=6, logit_bias={42: 100}), use_tqdm=False
+    )
+    assert out[0].outputs[0].token_ids == [42] * 6
+    with pytest.raises(ValueError, match="logit_bias must map token ids"):
+        SamplingParams(logit_bias={"42": 1.0})
+    with pytest.raises(ValueError, match="logit_bias must map token ids"):
+        SamplingParams(logit_bias={42: float("nan")})
+
+
 @pytest.mark.parametrize(
     "prompt,params,match",
     [
@@ -232,6 +243,7 @@ def test_the_models_generation_config_gives_the_default_sampling_params(
         ("Hello " * 600, None, "max_model_len"),
         ("Hello", SamplingParams(max_tokens=2000), "max_model_len"),
         ("Hello", SamplingParams(min_tokens=1, stop_token_ids=[5, 99999]), "stop_token_ids.*99999.*out of range"),
+        ("Hello", SamplingParams(logit_bias={5: 1.0, 99999: 2.0}), "logit_bias.*99999.*out of range"),
     ],
 )
 def test_bad_input_rejected_and_engine_keeps_serving(llm, prompt, params, match):

@@ -151,6 +151,14 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert sampler(logits, t).sampled.tolist() == [1]  # min_tokens reached
 
 
+def test_logit_bias_is_added_before_the_choice():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
+    params = [SamplingParams(temperature=0, logit_bias={0: 5.0}), SamplingParams(temperature=0, logit_bias={1: -100})]
+    out = Sampler()(logits, _tensors([_req(p) for p in params], 3))
+    assert out.sampled.tolist() == [0, 2]
+    assert torch.equal(logits, torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]]))  # (the model's, untouched)
+
+
 def test_greedy_and_logprobs():
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
     reqs = [_req(SamplingParams(temperature=0, logprobs=2)), _req(SamplingParams(temperature=0))]

@@ -171,6 +171,20 @@ def test_streamed_n_completions_end_once_each_and_equal_the_non_streamed(client)
         assert mine[-1].finish_reason is not None
 
 
+def test_logit_bias_as_openai_sends_it(client):
+    """Token ids as strings; biases beyond [-100, 100] are taken as its ends, as vLLM does."""
+    resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logit_bias={"42": 250})
+    assert (
+        resp.choices[0].text
+        == client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logit_bias={"42": 100}).choices[0].text
+    )
+    assert resp.usage.completion_tokens == 5
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, logit_bias={"42": 100}, logprobs=True
+    )
+    assert [t.token for t in chat.choices[0].logprobs.content] == [chat.choices[0].logprobs.content[0].token] * 4
+
+
 def test_models_health_tokenize(server):
     url = server[0]
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -240,6 +254,8 @@ def _post(url, path, body, key=KEY):
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
         ("/v1/completions", {"prompt": "Hi", "min_tokens": 1, "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"x1": 5}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"messages": MSG, "logit_bias": {str(10**7): 5}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "Hi", "guided_regex": "a("}, 400, "guided_regex"),
         ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json": {"type": "x"}}}, 400, "structured_outputs"),
         (

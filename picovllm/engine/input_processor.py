@@ -70,9 +70,10 @@ def process_prompt(
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
         )
-    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-    if bad is not None:  # (a min_tokens ban would index the logits with it)
-        raise ValueError(f"stop_token_ids: token id {bad} is out of range [0, {vocab_size})")
+    for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        bad = next((t for t in tokens if t >= vocab_size), None)
+        if bad is not None:  # (the sampler indexes the logits with them: a min_tokens ban, a bias)
+            raise ValueError(f"{name}: token id {bad} is out of range [0, {vocab_size})")
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (the engine was started without one)")
     return text, ids

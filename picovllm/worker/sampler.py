@@ -1,7 +1,7 @@
 """Batched sampling on the device with per-request parameters (vLLM's semantics).
 
-Order: structured outputs' bitmask, min_tokens masking and penalties on the logits -> greedy rows
-take the argmax -> temperature -> min_p -> top_k -> top_p (sorting each row's largest top_k
+Order: structured outputs' bitmask, min_tokens masking, logit_bias and penalties on the logits ->
+greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p (sorting each row's largest top_k
 logits, not its whole vocabulary) -> a draw by the exponential race (argmax of p / q with
 q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw without the softmax, which
 costs a pass over a 152k vocabulary per row), each seeded request drawing its noise
@@ -35,6 +35,7 @@ class SamplingTensors:
     prompt_ids: torch.Tensor | None  # [B, max_prompt] padded with vocab_size
     output_ids: torch.Tensor | None  # [B, max_output] padded with vocab_size
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked by min_tokens
+    bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None  # ((rows, token ids), values): logit_bias
     generators: list[torch.Generator | None]
     all_greedy: bool
     max_logprobs: int | None  # the largest logprobs=k asked for; None when no request asked
@@ -75,6 +76,12 @@ class SamplingTensors:
         all_greedy = all(greedy)
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         penalties = batch.prompt_ids is not None
+        bias_rows, bias_ids, bias_values = [], [], []
+        for i, p in enumerate(params):
+            for token, value in (p.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_ids.append(token)
+                bias_values.append(value)
         banned_rows, banned_ids = [], []
         for i, (n, p) in enumerate(zip(batch.num_output_tokens, params)):
             if n < p.min_tokens:
@@ -96,6 +103,12 @@ class SamplingTensors:
             output_ids=_pad(batch.output_ids, vocab_size, device) if penalties else None,
             banned=(to_device(banned_rows, torch.long, device), to_device(banned_ids, torch.long, device))
             if banned_rows
+            else None,
+            bias=(
+                (to_device(bias_rows, torch.long, device), to_device(bias_ids, torch.long, device)),
+                to_device(bias_values, torch.float32, device),
+            )
+            if bias_rows
             else None,
             generators=generators,
             all_greedy=all_greedy,
@@ -196,6 +209,8 @@ class Sampler:
             apply_token_bitmask_inplace(logits, t.bitmask)
         if t.banned is not None:
             logits = logits.index_put(t.banned, torch.full((), _NEG_INF, device=logits.device))
+        if t.bias is not None:
+            logits = logits.index_put(*t.bias, accumulate=True)
         if t.repetition_penalty is not None:
             logits = apply_penalties(logits, t)
         sampled = logits.argmax(dim=-1) if t.any_greedy else None

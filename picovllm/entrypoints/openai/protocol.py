@@ -96,6 +96,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # (token ids as strings, as OpenAI's)
     n: int = 1
     min_tokens: int | None = None
     ignore_eos: bool = False
@@ -174,6 +175,8 @@ class _SamplingFields(BaseModel):
                 values[name] = getattr(self, name)
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
+        if self.logit_bias is not None:
+            values["logit_bias"] = _logit_bias(self.logit_bias)
         values["structured_outputs"] = self.structured()[0]
         return SamplingParams(
             n=self.n,
@@ -183,6 +186,15 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             **values,
         )
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) as SamplingParams'; biases beyond [-100, 100]
+    are taken as its ends, as vLLM does."""
+    try:
+        return {int(token): min(100.0, max(-100.0, value)) for token, value in bias.items()}
+    except ValueError:
+        raise ValueError(f"logit_bias keys must be token ids, got {list(bias)!r}") from None
 
 
 class CompletionRequest(_SamplingFields):
