@@ -36,6 +36,19 @@ def test_latency_with_hf_baseline(tiny_qwen, capsys, tmp_path):
     assert json.loads(last)["benchmark"] == "latency" and json.loads(last)["matmul_tflop_s"] > 0
 
 
+def test_latency_samples_as_the_models_generation_config_asks(tiny_qwen_generation_config, capsys):
+    """The tiny model's generation config (temperature 0, top_k, top_p, a repetition penalty): the
+    rows come, and the run says what it samples with; --hf (greedy) is refused beside it."""
+    import pytest
+
+    kwargs = {"model": tiny_qwen_generation_config, "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20}
+    rows = run_latency(kwargs, [2], input_len=9, output_len=5, hf_modes=[])
+    assert [(r["system"], r["batch"]) for r in rows] == [("picovllm", 2)] and rows[0]["decode_tok_s"] > 0
+    assert "repetition_penalty=1.05" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--generation-config vllm"):
+        run_latency(kwargs, [1], input_len=9, output_len=5, hf_modes=["eager"])
+
+
 def test_throughput(tiny_qwen, capsys):
     kwargs = {
         "model": tiny_qwen[0],

@@ -65,7 +65,8 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         "latency",
         parents=[engine_parser],
         help="decode speed at fixed batch sizes",
-        description="Decode ms/step, tok/s and achieved memory bandwidth per batch size.",
+        description="Decode ms/step, tok/s and achieved memory bandwidth per batch size; greedy, or "
+        "with the sampling settings the model's generation config asks for (--generation-config).",
     )
     _sized(lat, "--batch-sizes", [1, 8, 32, 128], [1, 8], type=_ints, help="comma-separated")
     _sized(lat, "--input-len", 128, 32, type=positive_int, help="prompt tokens")

@@ -66,6 +66,9 @@ class PicoRunner:
         self.device, self.model = engine.device, engine.executor.driver.model_runner.model
         self.vocab_size = engine.model_config.vocab_size
         self.kv_token_bytes = engine.kv_block_bytes // engine.config.block_size
+        # greedy, or what the model's generation config asks for (--generation-config DIR)
+        self.sampling = {"temperature": 0, **engine.sampling_defaults}
+        self.sampling.pop("max_tokens", None)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         engine = self.llm.llm_engine
@@ -73,7 +76,7 @@ class PicoRunner:
         self.llm.reset_prefix_cache()  # every run prefills its prompts (the warm-up ran the same ones)
         self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+            SamplingParams(**self.sampling, max_tokens=new_tokens, ignore_eos=True),
             use_tqdm=False,
         )
         self.host_ms_per_step = 1e3 * (engine.host_time_s - host) / max(engine.num_steps - steps, 1)
@@ -93,6 +96,15 @@ def run_latency(
     (so that load from elsewhere on the machine falls on all of them), and the best time is kept.
     CPU ms/step is the host time of our engine's steps outside waiting for the device."""
     ours = PicoRunner(llm_kwargs, max(batch_sizes))
+    if ours.sampling != {"temperature": 0}:
+        if hf_modes:
+            raise ValueError(
+                "--hf decodes greedily and the model's generation config asks for "
+                f"{ours.sampling}: add --generation-config vllm to compare"
+            )
+        progress(
+            "sampling as the model's generation config asks: " + ", ".join(f"{k}={v}" for k, v in ours.sampling.items())
+        )
     systems = [("picovllm", ours)] + [(f"hf-{mode}", HFRunner(llm_kwargs, mode)) for mode in hf_modes]
     device = ours.device
     bandwidth = copy_bandwidth(device)
