@@ -73,7 +73,8 @@ class SamplingParams:
     each prompt token given the ones before it (RequestOutput.prompt_logprobs; the request's prompt
     is computed whole, without prefix-cache hits). structured_outputs constrains the output
     (StructuredOutputsParams). logit_bias adds its value to each of its token ids' logits before
-    anything else reads them (the penalties, greedy's choice, the draw), as vLLM's and OpenAI's.
+    anything else reads them (the penalties, greedy's choice, the draw), as vLLM's and OpenAI's;
+    allowed_token_ids (vLLM's) are the only tokens the request may take.
     """
 
     n: int = 1
@@ -98,6 +99,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -180,6 +182,14 @@ class SamplingParams:
             ),
             "logit_bias",
             "must map token ids (integers >= 0) to finite numbers",
+        )
+        need(
+            self.allowed_token_ids is None
+            or isinstance(self.allowed_token_ids, list)
+            and self.allowed_token_ids
+            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
+            "allowed_token_ids",
+            "must be a non-empty list of token ids (integers >= 0) or None",
         )
 
     @property

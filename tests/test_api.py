@@ -228,6 +228,10 @@ def test_logit_bias_steers_every_token(llm):
         SamplingParams(logit_bias={"42": 1.0})
     with pytest.raises(ValueError, match="logit_bias must map token ids"):
         SamplingParams(logit_bias={42: float("nan")})
+    out = llm.generate("Hello", SamplingParams(max_tokens=8, allowed_token_ids=[7, 9]), use_tqdm=False)
+    assert set(out[0].outputs[0].token_ids) <= {7, 9}
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
 
 
 @pytest.mark.parametrize(
@@ -244,6 +248,7 @@ def test_logit_bias_steers_every_token(llm):
         ("Hello", SamplingParams(max_tokens=2000), "max_model_len"),
         ("Hello", SamplingParams(min_tokens=1, stop_token_ids=[5, 99999]), "stop_token_ids.*99999.*out of range"),
         ("Hello", SamplingParams(logit_bias={5: 1.0, 99999: 2.0}), "logit_bias.*99999.*out of range"),
+        ("Hello", SamplingParams(allowed_token_ids=[5, 99999]), "allowed_token_ids.*99999.*out of range"),
     ],
 )
 def test_bad_input_rejected_and_engine_keeps_serving(llm, prompt, params, match):

@@ -159,6 +159,17 @@ def test_logit_bias_is_added_before_the_choice():
     assert torch.equal(logits, torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]]))  # (the model's, untouched)
 
 
+def test_allowed_token_ids_keep_only_theirs():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=[0, 3]),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, allowed_token_ids=[3]),
+    ]
+    out = Sampler()(logits, _tensors([_req(p) for p in params], 4))
+    assert out.sampled.tolist() == [0, 1, 3]
+
+
 def test_greedy_and_logprobs():
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
     reqs = [_req(SamplingParams(temperature=0, logprobs=2)), _req(SamplingParams(temperature=0))]

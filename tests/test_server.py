@@ -171,8 +171,9 @@ def test_streamed_n_completions_end_once_each_and_equal_the_non_streamed(client)
         assert mine[-1].finish_reason is not None
 
 
-def test_logit_bias_as_openai_sends_it(client):
-    """Token ids as strings; biases beyond [-100, 100] are taken as its ends, as vLLM does."""
+def test_logit_bias_as_openai_sends_it_and_allowed_token_ids(server, client):
+    """Token ids as strings; biases beyond [-100, 100] are taken as its ends, as vLLM does.
+    vLLM's allowed_token_ids: the only tokens a request may take."""
     resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logit_bias={"42": 250})
     assert (
         resp.choices[0].text
@@ -183,6 +184,12 @@ def test_logit_bias_as_openai_sends_it(client):
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, logit_bias={"42": 100}, logprobs=True
     )
     assert [t.token for t in chat.choices[0].logprobs.content] == [chat.choices[0].logprobs.content[0].token] * 4
+    allowed = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=6, temperature=0, extra_body={"allowed_token_ids": [42, 43]}
+    )
+    params = SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=[42, 43])
+    expected = server[2].generate("Hi", params, use_tqdm=False)[0].outputs[0]
+    assert set(expected.token_ids) <= {42, 43} and allowed.choices[0].text == expected.text
 
 
 def test_models_health_tokenize(server):
@@ -255,6 +262,7 @@ def _post(url, path, body, key=KEY):
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
         ("/v1/completions", {"prompt": "Hi", "min_tokens": 1, "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
         ("/v1/completions", {"prompt": "Hi", "logit_bias": {"x1": 5}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [10**7]}, 400, "allowed_token_ids"),
         ("/v1/chat/completions", {"messages": MSG, "logit_bias": {str(10**7): 5}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "Hi", "guided_regex": "a("}, 400, "guided_regex"),
         ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json": {"type": "x"}}}, 400, "structured_outputs"),

@@ -70,9 +70,13 @@ def process_prompt(
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({max_model_len})"
         )
-    for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+    for name, tokens in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
         bad = next((t for t in tokens if t >= vocab_size), None)
-        if bad is not None:  # (the sampler indexes the logits with them: a min_tokens ban, a bias)
+        if bad is not None:  # (the sampler indexes the logits with them: a min_tokens ban, a bias, a mask)
             raise ValueError(f"{name}: token id {bad} is out of range [0, {vocab_size})")
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer (the engine was started without one)")

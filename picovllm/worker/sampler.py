@@ -1,11 +1,12 @@
 """Batched sampling on the device with per-request parameters (vLLM's semantics).
 
-Order: structured outputs' bitmask, min_tokens masking, logit_bias and penalties on the logits ->
-greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p (sorting each row's largest top_k
-logits, not its whole vocabulary) -> a draw by the exponential race (argmax of p / q with
-q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw without the softmax, which
-costs a pass over a 152k vocabulary per row), each seeded request drawing its noise
-from its own generator so that its samples do not depend on what else is in the batch.
+Order: structured outputs' bitmask, min_tokens masking, logit_bias, allowed_token_ids and
+penalties on the logits -> greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p
+(sorting each row's largest top_k logits, not its whole vocabulary) -> a draw by the exponential
+race (argmax of p / q with q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw
+without the softmax, which costs a pass over a 152k vocabulary per row), each seeded request
+drawing its noise from its own generator so that its samples do not depend on what else is in the
+batch.
 Log-probabilities are those of the raw model output.
 """
 
@@ -36,6 +37,7 @@ class SamplingTensors:
     output_ids: torch.Tensor | None  # [B, max_output] padded with vocab_size
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked by min_tokens
     bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None  # ((rows, token ids), values): logit_bias
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows with a list, (rows, ids) of theirs)
     generators: list[torch.Generator | None]
     all_greedy: bool
     max_logprobs: int | None  # the largest logprobs=k asked for; None when no request asked
@@ -82,6 +84,8 @@ class SamplingTensors:
                 bias_rows.append(i)
                 bias_ids.append(token)
                 bias_values.append(value)
+        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        allowed_pairs = [(i, t) for i in allowed_rows for t in params[i].allowed_token_ids]
         banned_rows, banned_ids = [], []
         for i, (n, p) in enumerate(zip(batch.num_output_tokens, params)):
             if n < p.min_tokens:
@@ -109,6 +113,13 @@ class SamplingTensors:
                 to_device(bias_values, torch.float32, device),
             )
             if bias_rows
+            else None,
+            allowed=(
+                to_device(allowed_rows, torch.long, device),
+                to_device([i for i, _ in allowed_pairs], torch.long, device),
+                to_device([t for _, t in allowed_pairs], torch.long, device),
+            )
+            if allowed_rows
             else None,
             generators=generators,
             all_greedy=all_greedy,
@@ -211,6 +222,12 @@ class Sampler:
             logits = logits.index_put(t.banned, torch.full((), _NEG_INF, device=logits.device))
         if t.bias is not None:
             logits = logits.index_put(*t.bias, accumulate=True)
+        if t.allowed is not None:
+            rows, pair_rows, pair_ids = t.allowed
+            keep = torch.ones_like(logits, dtype=torch.bool)
+            keep[rows] = False
+            keep[pair_rows, pair_ids] = True
+            logits = logits.masked_fill(~keep, _NEG_INF)
         if t.repetition_penalty is not None:
             logits = apply_penalties(logits, t)
         sampled = logits.argmax(dim=-1) if t.any_greedy else None

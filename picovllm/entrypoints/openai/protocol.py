@@ -97,6 +97,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # (token ids as strings, as OpenAI's)
+    allowed_token_ids: list[int] | None = None  # (vLLM's)
     n: int = 1
     min_tokens: int | None = None
     ignore_eos: bool = False
@@ -170,6 +171,7 @@ class _SamplingFields(BaseModel):
             "stop",
             "stop_token_ids",
             "min_tokens",
+            "allowed_token_ids",
         ):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
