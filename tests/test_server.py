@@ -12,6 +12,7 @@ from conftest import engine_args, make_llm
 
 openai = pytest.importorskip("openai")
 
+import picovllm  # noqa: E402
 from picovllm import LLM, SamplingParams  # noqa: E402
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess  # noqa: E402
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
@@ -196,6 +197,7 @@ def test_models_health_tokenize(server):
     url = server[0]
     headers = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/version").json() == {"version": picovllm.__version__}
     models = httpx.get(url + "/v1/models", headers=headers).json()
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
     toks = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}).json()

@@ -1,4 +1,4 @@
-"""GET /health, /metrics (Prometheus) and /v1/models."""
+"""GET /health, /metrics (Prometheus), /version and /v1/models."""
 
 from __future__ import annotations
 
@@ -8,15 +8,21 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import picovllm
 from picovllm.entrypoints.openai.serving import State
 
-router = APIRouter()  # /health and /metrics: no key, as vLLM's
+router = APIRouter()  # /health, /metrics and /version: no key, as vLLM's
 v1_router = APIRouter()
 
 
 @router.get("/health")
 async def health(state: State):
     return Response(status_code=503 if state.engine.error else 200)
+
+
+@router.get("/version")
+async def version():
+    return {"version": picovllm.__version__}
 
 
 @router.get("/metrics")
