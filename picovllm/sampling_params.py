@@ -74,7 +74,8 @@ class SamplingParams:
     is computed whole, without prefix-cache hits). structured_outputs constrains the output
     (StructuredOutputsParams). logit_bias adds its value to each of its token ids' logits before
     anything else reads them (the penalties, greedy's choice, the draw), as vLLM's and OpenAI's;
-    allowed_token_ids (vLLM's) are the only tokens the request may take.
+    allowed_token_ids (vLLM's) are the only tokens the request may take. truncate_prompt_tokens
+    (vLLM's) keeps the prompt's last k tokens (-1: max_model_len's worth).
     """
 
     n: int = 1
@@ -100,6 +101,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -190,6 +192,13 @@ class SamplingParams:
             and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
             "allowed_token_ids",
             "must be a non-empty list of token ids (integers >= 0) or None",
+        )
+        need(
+            self.truncate_prompt_tokens is None
+            or is_int(self.truncate_prompt_tokens)
+            and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
+            "truncate_prompt_tokens",
+            "must be an integer >= 1, -1 (max_model_len) or None",
         )
 
     @property

@@ -219,6 +219,19 @@ def test_the_models_generation_config_gives_the_default_sampling_params(
         make_llm(tiny_qwen[0], generation_config=str(tmp_path / "nowhere"))
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    ids = [11, 12, 13, 14, 15, 16, 17]
+    params = SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-4:]
+    alone = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert out.outputs[0].token_ids == alone[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate("Hello", SamplingParams(truncate_prompt_tokens=10**6), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_logit_bias_steers_every_token(llm):
     out = llm.generate(
         "Hello", SamplingParams(temperature=0.8, seed=1, max_tokens=6, logit_bias={42: 100}), use_tqdm=False

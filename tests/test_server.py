@@ -172,9 +172,10 @@ def test_streamed_n_completions_end_once_each_and_equal_the_non_streamed(client)
         assert mine[-1].finish_reason is not None
 
 
-def test_logit_bias_as_openai_sends_it_and_allowed_token_ids(server, client):
-    """Token ids as strings; biases beyond [-100, 100] are taken as its ends, as vLLM does.
-    vLLM's allowed_token_ids: the only tokens a request may take."""
+def test_logit_bias_allowed_token_ids_and_truncate_prompt_tokens(server, client):
+    """logit_bias as OpenAI's clients send it (token ids as strings; biases beyond [-100, 100]
+    taken as its ends, as vLLM does); vLLM's allowed_token_ids (the only tokens a request may
+    take) and truncate_prompt_tokens (a chat's default max_tokens: the room left after it)."""
     resp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logit_bias={"42": 250})
     assert (
         resp.choices[0].text
@@ -185,6 +186,15 @@ def test_logit_bias_as_openai_sends_it_and_allowed_token_ids(server, client):
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, logit_bias={"42": 100}, logprobs=True
     )
     assert [t.token for t in chat.choices[0].logprobs.content] == [chat.choices[0].logprobs.content[0].token] * 4
+    cut = client.completions.create(
+        model=MODEL, prompt="a b c d e f g h", max_tokens=2, extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert cut.usage.prompt_tokens == 3
+    long = [{"role": "user", "content": "a b " * 300}]  # (past max_model_len 256, its last 200 tokens kept)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=long, extra_body={"truncate_prompt_tokens": 200, "ignore_eos": True}
+    )
+    assert chat.usage.prompt_tokens == 200 and chat.usage.completion_tokens == 56  # (the room left)
     allowed = client.completions.create(
         model=MODEL, prompt="Hi", max_tokens=6, temperature=0, extra_body={"allowed_token_ids": [42, 43]}
     )

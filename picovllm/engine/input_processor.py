@@ -30,7 +30,8 @@ def process_prompt(
     prompt: PromptType, params: SamplingParams, tokenizer, vocab_size: int, max_model_len: int
 ) -> tuple[str | None, list[int]]:
     """Validate a prompt (string, token ids or {"prompt_token_ids"/"prompt": ...}) against a
-    model (its tokenizer, vocabulary and context) and params; return its text and token ids.
+    model (its tokenizer, vocabulary and context) and params; return its text and token ids (the
+    last params.truncate_prompt_tokens of them; the text is the prompt's as given, as vLLM's).
     Raises ValueError. Needs no model weights: a server's front end runs it."""
     if isinstance(prompt, dict):
         unknown = set(prompt) - {"prompt", "prompt_token_ids"}
@@ -62,6 +63,11 @@ def process_prompt(
         raise ValueError("the prompt is empty")
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if (keep := params.truncate_prompt_tokens) is not None:
+        keep = max_model_len if keep == -1 else keep
+        if keep > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len ({max_model_len})")
+        ids = ids[-keep:]
     if len(ids) >= max_model_len:
         raise ValueError(
             f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, which leaves no room to generate"

@@ -98,6 +98,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # (token ids as strings, as OpenAI's)
     allowed_token_ids: list[int] | None = None  # (vLLM's)
+    truncate_prompt_tokens: int | None = None  # (vLLM's)
     n: int = 1
     min_tokens: int | None = None
     ignore_eos: bool = False
@@ -172,6 +173,7 @@ class _SamplingFields(BaseModel):
             "stop_token_ids",
             "min_tokens",
             "allowed_token_ids",
+            "truncate_prompt_tokens",
         ):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)

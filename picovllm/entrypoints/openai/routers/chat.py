@@ -69,7 +69,10 @@ async def chat(req: ChatCompletionRequest, state: State, raw_request: Request):
     text = chat_text(tokenizer, req.messages, req.add_generation_prompt, tools if choice != "none" else None)
     prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    room = max(1, state.max_model_len - len(prompt["prompt_token_ids"]))  # (OpenAI's default: all the context)
+    prompt_len = len(prompt["prompt_token_ids"])
+    if (keep := req.truncate_prompt_tokens) is not None:  # (the engine keeps the prompt's last `keep`)
+        prompt_len = min(prompt_len, state.max_model_len if keep == -1 else keep)
+    room = max(1, state.max_model_len - prompt_len)  # (OpenAI's default: all the context)
     max_tokens = state.max_tokens(requested, room)
     if requested is None:  # (a server's default beyond what the context allows: what it allows)
         max_tokens = min(max_tokens, room)
