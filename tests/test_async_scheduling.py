@@ -53,6 +53,22 @@ def test_penalties_are_launched_ahead_and_count_the_token_in_flight(engines):
     assert fast.llm_engine.launcher.num_launched_ahead > before + 10
 
 
+def test_min_tokens_counts_the_token_in_flight(engines):
+    """A min_tokens ban lifts at the step whose token is the min_tokens-th, launched ahead or not:
+    a stop token that greedy decoding would take exactly there ends the request there."""
+    fast, sync = engines
+    prompt = {"prompt_token_ids": list(range(40, 52))}
+    free = sync.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    at = next(i for i in range(3, 12) if tokens[i] not in tokens[:i])  # (never banned before it: unchanged)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=at, stop_token_ids=[tokens[at]])
+    before = fast.llm_engine.launcher.num_launched_ahead
+    expected = _run(sync, [prompt], params)
+    assert expected[0][0][0] == tokens[: at + 1] and expected[0][0][2] == "stop"
+    assert _run(fast, [prompt], params) == expected
+    assert fast.llm_engine.launcher.num_launched_ahead >= before + at - 1
+
+
 def test_penalties_send_the_prompts_once_while_the_same_requests_sample(engines, monkeypatch):
     """The prompts (which the penalties read) reach the sampler once while the same requests
     sample step after step, again when the batch changes (requests finishing at different

@@ -67,24 +67,22 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | N
 
 def _reads_output(req: Request) -> bool:
     """Whether req's next sample depends on its output so far: penalties, or a min_tokens ban."""
-    return req.params.has_penalties or _counts_output(req)
-
-
-def _counts_output(req: Request) -> bool:
-    """Whether req's next sample depends on how many tokens it has (a min_tokens ban, decided on
-    the host): its step is not launched ahead of the token in flight. (Penalties are: the model
-    runner appends that token to the output the host sends, SamplingTensors.with_in_flight.)"""
-    return req.num_output_tokens < req.params.min_tokens
+    return req.params.has_penalties or req.num_output_tokens < req.params.min_tokens
 
 
 def sampling_batch(
-    reqs: list[Request], finished_ids: list[str], bitmask=None, prompt_ids: list[list[int]] | None = None
+    reqs: list[Request],
+    finished_ids: list[str],
+    bitmask=None,
+    prompt_ids: list[list[int]] | None = None,
+    num_pending: int = 0,
 ) -> SamplingBatch:
-    """The sampling rows of the requests that sample, as plain data (a pending row's output so
-    far lacks its token in flight: the model runner appends it for the penalties, and launching
-    ahead is off with a min_tokens ban), with their grammars' bitmask (BitmaskFiller; None: none,
-    or filled later: deferred). prompt_ids: the same requests' in the batch before (the very
-    list: the model runner then reuses its tensor)."""
+    """The sampling rows of the requests that sample, as plain data, with their grammars' bitmask
+    (BitmaskFiller; None: none, or filled later: deferred). The first num_pending rows decode a
+    token still in flight (a step launched ahead): it is counted in their outputs' lengths (a
+    min_tokens ban), and the model runner appends it to their outputs (the penalties).
+    prompt_ids: the same requests' in the batch before (the very list: the model runner then
+    reuses its tensor)."""
     penalties = any(r.params.has_penalties for r in reqs)
     if penalties and prompt_ids is None:
         prompt_ids = [r.prompt_token_ids for r in reqs]
@@ -92,7 +90,7 @@ def sampling_batch(
         [r.request_id for r in reqs],
         [r.params for r in reqs],
         [r.seed for r in reqs],
-        [r.num_output_tokens for r in reqs],
+        [r.num_output_tokens + (i < num_pending) for i, r in enumerate(reqs)],
         prompt_ids if penalties else None,
         [r.output_token_ids for r in reqs] if penalties else None,
         finished_ids,
@@ -171,7 +169,7 @@ class StepLauncher:
         # the requests whose last token this step computes (step.sample): each samples one token
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         defer = num_pending > 0 and any(r.grammar is not None for r in reqs)
-        sampling = self._sampling_batch(reqs, defer) if reqs else None
+        sampling = self._sampling_batch(reqs, defer, num_pending) if reqs else None
         # (the fill is the launch's until it returns: a launch that fails leaves it to reset)
         filling = self._filling if before is not None and before.deferred else None
         sampled_before, out = self.executor.execute_step(
@@ -207,7 +205,7 @@ class StepLauncher:
         bitmask, self._filling = self._filling.result(), None
         return step._replace(out=self.executor.sample_deferred(bitmask), deferred=False)
 
-    def _sampling_batch(self, reqs: list[Request], deferred: bool = False) -> SamplingBatch:
+    def _sampling_batch(self, reqs: list[Request], deferred: bool = False, num_pending: int = 0) -> SamplingBatch:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
         has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
         reached, no bitmask: none of them has a grammar, or theirs comes later); else a new one,
@@ -221,7 +219,7 @@ class StepLauncher:
         same = not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs))
         if same and bitmask is None and last[2]:
             return last[1]
-        batch = sampling_batch(reqs, finished, bitmask, last[1].prompt_ids if same else None)
+        batch = sampling_batch(reqs, finished, bitmask, last[1].prompt_ids if same else None, num_pending)
         # (a batch is sent once with the ids of the requests finished before it)
         static = not finished and bitmask is None and not any(map(_reads_output, reqs))
         self._last_sampling = (reqs, batch, static)
@@ -231,10 +229,9 @@ class StepLauncher:
         """step (sampled, if it was deferred) and the step that follows it, launched before
         step's tokens are read when its schedule does not depend on them
         (Scheduler.schedule_ahead), else None: the requests that sampled in `step` decode the
-        tokens it sampled, the others' prompt chunks and new admissions follow; not when a
-        request's sampling depends on how many tokens it has (a min_tokens ban; penalties count
-        the token in flight on the device, a grammar's bitmask waits for the tokens: launch's
-        defer)."""
+        tokens it sampled, the others' prompt chunks and new admissions follow. (A min_tokens ban
+        counts the token in flight, the penalties read it on the device, a grammar's bitmask waits
+        for the tokens: launch's defer.)"""
         batch, rows = self._schedule_ahead(step)
         if batch is None:
             return self.sample_deferred(step), None
@@ -247,7 +244,7 @@ class StepLauncher:
         if not reqs:
             return None, []
         running = set(map(id, self.scheduler.running))
-        if any(id(r) not in running or _counts_output(r) for r in reqs):
+        if any(id(r) not in running for r in reqs):
             return None, []
         # a request whose token in flight is its last (max_tokens, max_model_len) finishes
         # whatever that token is: it does not go on
