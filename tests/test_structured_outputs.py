@@ -2,6 +2,7 @@
 would say, the output is what the schema, regex, choice or grammar allows, and requests without
 one are not changed by those with one."""
 
+import dataclasses
 import json
 import re
 import threading
@@ -85,11 +86,14 @@ def test_every_output_follows_its_schema_regex_choice_or_grammar(llm):
 
 
 def test_the_same_with_and_without_async_scheduling_and_under_preemption(tiny_qwen, llm):
-    """Seeded, mixed with unconstrained requests: the engine that launches steps ahead (their
-    sampling deferred until the grammars have the tokens in flight), the synchronous engine and
-    one whose pool is too small for the batch (requests preempted and recomputed) give the very
+    """Seeded, mixed with unconstrained requests, some with penalties (the model runner appends the
+    tokens in flight, here to a deferred sampling's rows): the engine that launches steps ahead
+    (their sampling deferred until the grammars have the tokens in flight), the synchronous engine
+    and one whose pool is too small for the batch (requests preempted and recomputed) give the very
     same outputs."""
-    params = [_so(json=SCHEMA), SamplingParams(temperature=0.8, seed=2, max_tokens=40), _so(regex=REGEX)] * 3
+    penalised = dataclasses.replace(_so(json=SCHEMA), temperature=0, repetition_penalty=3.0, frequency_penalty=1.0)
+    free = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=2.0, frequency_penalty=1.0)
+    params = [penalised, free, _so(regex=REGEX)] * 3
     prompts = PROMPTS * 2 + PROMPTS[:1]
     before = llm.llm_engine.launcher.num_launched_ahead
     outs = _outputs(llm, prompts, params)
