@@ -228,8 +228,9 @@ class EngineConfig:
     generation_config: str = option(
         "auto",
         "requests' default sampling settings: auto, those of the model's generation_config.json (temperature, "
-        "top_p, top_k, min_p, repetition_penalty; its max_new_tokens bounds every request's max_tokens), as "
-        "vLLM's; vllm: none, SamplingParams' own; or a directory with a generation_config.json",
+        "top_p, top_k, min_p, repetition_penalty; its max_new_tokens is the default max_tokens, and the server's "
+        "bound on every request's), as vLLM's; vllm: none, SamplingParams' own; or a directory with a "
+        "generation_config.json",
         check=_generation_config_problem,
     )
     dtype: str = option("auto", "auto, bfloat16, float16 or float32 (auto: the checkpoint's)", check=_dtype_problem)
