@@ -123,7 +123,6 @@ def build_app(
         secret,
         tool_call_parser,
         enable_auto_tool_choice,
-        max_tokens_bound=engine.sampling_defaults.get("max_tokens"),
     )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)

@@ -99,7 +99,6 @@ class ServerState:
     tool_call_parser: str = "hermes"  # tool_calls.TOOL_PARSERS: how "auto" finds the model's calls
     enable_auto_tool_choice: bool = True
     validating: int = 0  # requests past the door, their prompts being validated (not streams yet)
-    max_tokens_bound: int | None = None  # the generation config's max_new_tokens: vLLM's server-wide bound
 
     @property
     def tokenizer(self):
@@ -131,6 +130,11 @@ class ServerState:
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise APIError(400, "the server runs without a tokenizer: send token ids")
+
+    @property
+    def max_tokens_bound(self) -> int | None:
+        """The generation config's max_new_tokens (the engine's defaults): vLLM's server-wide bound."""
+        return self.engine.sampling_defaults.get("max_tokens")
 
     def max_tokens(self, requested: int | None, otherwise: int) -> int:
         """A request's max_tokens: its own, else the server's default (serve's --max-tokens, the
