@@ -158,6 +158,33 @@ def test_max_tokens_inside_the_grammar_ends_with_length(llm):
     assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_complete_grammar_ends_its_request_before_min_tokens(tiny_qwen, llm, async_scheduling):
+    """min_tokens bans the stop tokens, but a grammar that allows nothing else has the last word
+    (vLLM's): the request ends "stop" there, its output what the grammar allows, rather than
+    sampling a token the grammar refuses. Rows whose grammar still allows other tokens, and rows
+    without one, keep the ban."""
+    engine = llm if async_scheduling else make_llm(tiny_qwen[0], block_size=4, max_num_seqs=8, async_scheduling=False)
+    choice = SamplingParams(
+        temperature=0, max_tokens=40, min_tokens=30, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    regex = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        max_tokens=40,
+        min_tokens=4,
+        structured_outputs=StructuredOutputsParams(regex="[a-z]{8,12}"),
+    )
+    first = engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    stop = first[0].outputs[0].token_ids[0]  # (what the free row would take first: banned)
+    free = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[stop])
+    outs = _outputs(engine, PROMPTS[:3], [choice, regex, free])
+    assert outs[0].outputs[0].text in ("yes", "no") and outs[0].outputs[0].finish_reason == "stop"
+    assert re.fullmatch("[a-z]{8,12}", outs[1].outputs[0].text), outs[1].outputs[0].text
+    assert len(outs[1].outputs[0].token_ids) >= 4
+    assert outs[2].outputs[0].token_ids[0] != stop and len(outs[2].outputs[0].token_ids) >= 2
+
+
 def test_a_request_waits_for_its_grammar_without_holding_the_others(llm, monkeypatch):
     engine = llm.llm_engine
     release, compile_ = threading.Event(), engine.structured.compile

@@ -1,7 +1,8 @@
 """Batched sampling on the device with per-request parameters (vLLM's semantics).
 
-Order: structured outputs' bitmask, min_tokens masking, logit_bias, allowed_token_ids and
-penalties on the logits -> greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p
+Order: structured outputs' bitmask, min_tokens masking (except on a row whose grammar then allows
+nothing: its stop tokens stay, as vLLM has it), logit_bias, allowed_token_ids and penalties on the
+logits -> greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p
 (sorting each row's largest top_k logits, not its whole vocabulary) -> a draw by the exponential
 race (argmax of p / q with q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw
 without the softmax, which costs a pass over a 152k vocabulary per row), each seeded request
@@ -219,7 +220,10 @@ class Sampler:
 
             apply_token_bitmask_inplace(logits, t.bitmask)
         if t.banned is not None:
-            logits = logits.index_put(t.banned, torch.full((), _NEG_INF, device=logits.device))
+            banned = logits.index_put(t.banned, torch.full((), _NEG_INF, device=logits.device))
+            if t.bitmask is not None:  # (a grammar that allows only stop tokens outranks min_tokens)
+                banned = torch.where(banned.amax(dim=-1, keepdim=True) == _NEG_INF, logits, banned)
+            logits = banned
         if t.bias is not None:
             logits = logits.index_put(*t.bias, accumulate=True)
         if t.allowed is not None:
