@@ -201,6 +201,7 @@ class SamplingBatch:
     output_ids: list[list[int]] | None = None
     finished_ids: list[str] = field(default_factory=list)  # gone since the last step: generators dropped
     bitmask: torch.Tensor | None = None  # [rows, vocab / 32] int32 on the host: tokens a grammar allows
+    continues: bool = False  # the same requests as the batch before, none finished (its tensors serve)
 
     @property
     def num_rows(self) -> int:

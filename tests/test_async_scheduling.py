@@ -69,31 +69,41 @@ def test_min_tokens_counts_the_token_in_flight(engines):
     assert fast.llm_engine.launcher.num_launched_ahead >= before + at - 1
 
 
-def test_penalties_send_the_prompts_once_while_the_same_requests_sample(engines, monkeypatch):
-    """The prompts (which the penalties read) reach the sampler once while the same requests
-    sample step after step, again when the batch changes (requests finishing at different
-    lengths, others admitted in their place); the outputs, every step. Tokens as the synchronous
-    engine's."""
+@pytest.mark.parametrize("engine", ["async", "sync"])
+def test_penalties_build_their_tensors_once_while_the_same_requests_sample(engines, engine, monkeypatch):
+    """The prompts and outputs (which the penalties read) are padded into tensors once while the
+    same requests sample step after step, again when the batch changes (requests finishing at
+    different lengths, others admitted in their place): meanwhile the outputs grow on the device
+    by the tokens sampled. Tokens as when the outputs are sent every step."""
+    from picovllm.engine import step_launcher
     from picovllm.worker import sampler
 
-    fast, sync = engines
+    llm = engines[0] if engine == "async" else engines[1]
     prompts = [{"prompt_token_ids": list(range(100 + 9 * i, 130 + 14 * i))} for i in range(6)]
     params = [
         SamplingParams(
-            temperature=0, max_tokens=6 + 3 * i, repetition_penalty=1.2, frequency_penalty=0.5, ignore_eos=True
+            temperature=0.8 if i % 2 else 0,
+            seed=i,
+            max_tokens=6 + 3 * i,
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+            presence_penalty=0.3 * i,
+            min_tokens=2 * i,
         )
         for i in range(6)
     ]
-    expected = _run(sync, prompts, params)
+    batch = step_launcher.sampling_batch
+    with monkeypatch.context() as m:  # (no batch continues another: the lists serve every step)
+        m.setattr(step_launcher, "sampling_batch", lambda *a, continues=False, **k: batch(*a, **k))
+        expected = _run(llm, prompts, params)
     padded = []
     pad = sampler._pad
     monkeypatch.setattr(sampler, "_pad", lambda rows, *a: padded.append(rows) or pad(rows, *a))
-    steps = fast.llm_engine.num_steps
-    assert _run(fast, prompts, params) == expected
-    steps = fast.llm_engine.num_steps - steps
+    steps = llm.llm_engine.num_steps
+    assert _run(llm, prompts, params) == expected
+    steps = llm.llm_engine.num_steps - steps
     prompt_pads = sum(len(rows[0]) >= 30 for rows in padded)  # (prompts: 30 tokens or more; outputs: 21 at most)
-    assert len(padded) - prompt_pads >= steps - 2  # (the outputs: every step that samples)
-    assert prompt_pads <= 12 < steps  # (the batch changes as each request joins and leaves it)
+    assert len(padded) - prompt_pads == prompt_pads <= 12 < steps  # (the batch changes as requests join and leave)
 
 
 def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):

@@ -71,30 +71,24 @@ def _reads_output(req: Request) -> bool:
 
 
 def sampling_batch(
-    reqs: list[Request],
-    finished_ids: list[str],
-    bitmask=None,
-    prompt_ids: list[list[int]] | None = None,
-    num_pending: int = 0,
+    reqs: list[Request], finished_ids: list[str], bitmask=None, num_pending: int = 0, continues: bool = False
 ) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data, with their grammars' bitmask
     (BitmaskFiller; None: none, or filled later: deferred). The first num_pending rows decode a
     token still in flight (a step launched ahead): it is counted in their outputs' lengths (a
     min_tokens ban), and the model runner appends it to their outputs (the penalties).
-    prompt_ids: the same requests' in the batch before (the very list: the model runner then
-    reuses its tensor)."""
+    continues: the same requests sampled in the batch before (SamplingBatch.continues)."""
     penalties = any(r.params.has_penalties for r in reqs)
-    if penalties and prompt_ids is None:
-        prompt_ids = [r.prompt_token_ids for r in reqs]
     return SamplingBatch(
         [r.request_id for r in reqs],
         [r.params for r in reqs],
         [r.seed for r in reqs],
         [r.num_output_tokens + (i < num_pending) for i, r in enumerate(reqs)],
-        prompt_ids if penalties else None,
+        [r.prompt_token_ids for r in reqs] if penalties else None,
         [r.output_token_ids for r in reqs] if penalties else None,
         finished_ids,
         bitmask,
+        continues,
     )
 
 
@@ -209,9 +203,9 @@ class StepLauncher:
         """The step's SamplingBatch: the previous step's when the same requests sample again, none
         has finished meanwhile and nothing in it changes per step (no penalties, min_tokens
         reached, no bitmask: none of them has a grammar, or theirs comes later); else a new one,
-        with the previous one's prompts (the very list) when the same requests sample again.
-        This is the one place that decides: rank 0's model runner reuses its sampling tensors
-        exactly when it gets the batch it got last, and its prompts' tensor when it gets their list."""
+        marked as continuing the previous one when the same requests sample again. This is the
+        one place that decides: rank 0's model runner reuses its sampling tensors exactly when it
+        gets the batch it got last, and their parameters' part when the batch continues."""
         finished = self.scheduler.take_finished_ids()
         # a grammar's bitmask changes every step: in the batch unless it comes later (deferred)
         bitmask = None if deferred else self.filler.fill(reqs)
@@ -219,7 +213,7 @@ class StepLauncher:
         same = not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs))
         if same and bitmask is None and last[2]:
             return last[1]
-        batch = sampling_batch(reqs, finished, bitmask, last[1].prompt_ids if same else None, num_pending)
+        batch = sampling_batch(reqs, finished, bitmask, num_pending, continues=same)
         # (a batch is sent once with the ids of the requests finished before it)
         static = not finished and bitmask is None and not any(map(_reads_output, reqs))
         self._last_sampling = (reqs, batch, static)

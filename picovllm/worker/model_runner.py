@@ -83,6 +83,7 @@ class ModelRunner:
         self._deferred: tuple | None = None  # (run with defer: its logits, sampling tensors, prompt logprobs)
         self._prompt: tuple | None = None  # (the step's prompt logprobs, from step_logits to run)
         self._in_flight: torch.Tensor | None = None  # (the step's pending rows' tokens, from prepare to run)
+        self._last_sample: tuple[torch.Tensor, torch.Tensor] | None = None  # (outputs read, tokens sampled)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self.kv_cache: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None  # (the KV cache's host tier, kv_offload_memory)
@@ -322,25 +323,49 @@ class ModelRunner:
         )
 
     def _sampling_tensors(self, batch: SamplingBatch) -> SamplingTensors:
-        """The batch's sampling tensors. The engine decides when they can be reused: it sends the
-        very batch it sent last when the same requests sample again and nothing in them changes
-        per step (StepLauncher._sampling_batch); then the tensors built for it serve again. With
-        the very prompts' list of the batch before (penalties), their tensor serves again."""
+        """The batch's sampling tensors, its rows' tokens in flight counted (prepare). The engine
+        decides what can be reused: it sends the very batch it sent last when the same requests
+        sample again and nothing in them changes per step (StepLauncher._sampling_batch); then the
+        tensors built for it serve again. A batch that continues the one before (the same
+        requests, but their outputs or bans changed) keeps its parameters' tensors and only
+        rebuilds what changes (SamplingTensors.from_batch)."""
         cached = self._sampling_cache  # (the batch last built, its tensors)
         if cached is not None and cached[0] is batch:
             return cached[1]
         self.free_requests(batch.finished_ids)
-        generators = [
-            None if seed is None else self._generator(rid, seed) for rid, seed in zip(batch.request_ids, batch.seeds)
-        ]
-        prompts = None  # (the same requests' prompts, in the tensor built for the batch before)
-        if cached is not None and batch.prompt_ids is not None and batch.prompt_ids is cached[0].prompt_ids:
-            prompts = cached[1].prompt_ids
-        tensors = SamplingTensors.from_batch(
-            batch, generators, self.model_cfg.vocab_size, self.eos_ids, self.device, prompts
-        )
+        before = cached[1] if cached is not None and batch.continues else None
+        if before is not None:
+            generators = before.generators
+        else:
+            seeds = zip(batch.request_ids, batch.seeds)
+            generators = [None if seed is None else self._generator(rid, seed) for rid, seed in seeds]
+        vocab_size = self.model_cfg.vocab_size
+        grown = self._grown_outputs(batch, cached)
+        tensors = SamplingTensors.from_batch(batch, generators, vocab_size, self.eos_ids, self.device, before, grown)
+        if grown is None and tensors.output_ids is not None and self._in_flight is not None:  # (launched ahead)
+            tensors = tensors.with_in_flight(self._in_flight, vocab_size)
         self._sampling_cache = (batch, tensors)
         return tensors
+
+    def _grown_outputs(self, batch: SamplingBatch, cached: tuple | None) -> torch.Tensor | None:
+        """The rows' outputs (penalties) on the device, when batch continues the batch before and
+        each row's output is one token longer than then: the outputs the last sampling read, with
+        the tokens it sampled; else None (the batch's lists serve). Either way a token still in
+        flight is counted (it is one of those sampled)."""
+        last = self._last_sample
+        if not batch.continues or batch.output_ids is None or cached is None or last is None:
+            return None
+        if cached[1].output_ids is not last[0] or any(
+            n != m + 1 for n, m in zip(batch.num_output_tokens, cached[0].num_output_tokens, strict=True)
+        ):
+            return None
+        return torch.cat([last[0], last[1][:, None]], dim=1)
+
+    def _sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+        """The sampler's samples; the outputs it read and its tokens are kept (_grown_outputs)."""
+        out = self.sampler(logits, tensors)
+        self._last_sample = None if tensors.output_ids is None else (tensors.output_ids, out.sampled)
+        return out
 
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget finished requests' generators."""
@@ -373,16 +398,14 @@ class ModelRunner:
         if sampling is None or not sampling.num_rows:
             return self._with_prompt(None, prompt)
         tensors = self._sampling_tensors(sampling)
-        if tensors.output_ids is not None and self._in_flight is not None:  # (penalties, launched ahead)
-            tensors = tensors.with_in_flight(self._in_flight, self.model_cfg.vocab_size)
         if defer:
             self._deferred = (logits, tensors, prompt)
             return None
-        return self._with_prompt(self.sampler(logits, tensors), prompt)
+        return self._with_prompt(self._sample(logits, tensors), prompt)
 
     def sample_deferred(self, bitmask: torch.Tensor | None) -> SamplerOutput:
         """The samples of the step run with defer, under bitmask (its rows' grammars)."""
         (logits, tensors, prompt), self._deferred = self._deferred, None
         if bitmask is not None:
             tensors = dataclasses.replace(tensors, bitmask=pinned_to(bitmask, self.device))
-        return self._with_prompt(self.sampler(logits, tensors), prompt)
+        return self._with_prompt(self._sample(logits, tensors), prompt)

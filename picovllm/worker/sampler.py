@@ -65,9 +65,19 @@ class SamplingTensors:
         vocab_size: int,
         eos_ids: set[int],
         device: torch.device,
-        prompt_ids: torch.Tensor | None = None,
+        before: SamplingTensors | None = None,
+        output_ids: torch.Tensor | None = None,
     ) -> SamplingTensors:
-        """prompt_ids: the batch's prompts padded, built before for the same list (else built here)."""
+        """before: the tensors of the batch before when this one continues it (SamplingBatch.continues:
+        the same requests, so the same parameters); only what changes per step is built then.
+        output_ids: the rows' outputs on the device, grown from the batch before's (else padded
+        from the batch's lists here)."""
+        if output_ids is None and batch.output_ids is not None:
+            output_ids = _pad(batch.output_ids, vocab_size, device)
+        banned = _min_tokens_bans(batch, eos_ids, device)
+        bitmask = None if batch.bitmask is None else pinned_to(batch.bitmask, device)
+        if before is not None:
+            return dataclasses.replace(before, output_ids=output_ids, banned=banned, bitmask=bitmask)
         params = batch.params
 
         def column(values, dtype=torch.float32, off=None):
@@ -87,12 +97,6 @@ class SamplingTensors:
                 bias_values.append(value)
         allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
         allowed_pairs = [(i, t) for i in allowed_rows for t in params[i].allowed_token_ids]
-        banned_rows, banned_ids = [], []
-        for i, (n, p) in enumerate(zip(batch.num_output_tokens, params)):
-            if n < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
-                banned_rows += [i] * len(ids)
-                banned_ids += sorted(ids)
         return cls(
             temperature=None if all_greedy else column([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
             greedy=None if all_greedy or not any(greedy) else to_device(greedy, torch.bool, device),
@@ -102,13 +106,9 @@ class SamplingTensors:
             repetition_penalty=column([p.repetition_penalty for p in params])[:, None] if penalties else None,
             presence_penalty=column([p.presence_penalty for p in params])[:, None] if penalties else None,
             frequency_penalty=column([p.frequency_penalty for p in params])[:, None] if penalties else None,
-            prompt_ids=(prompt_ids if prompt_ids is not None else _pad(batch.prompt_ids, vocab_size, device))
-            if penalties
-            else None,
-            output_ids=_pad(batch.output_ids, vocab_size, device) if penalties else None,
-            banned=(to_device(banned_rows, torch.long, device), to_device(banned_ids, torch.long, device))
-            if banned_rows
-            else None,
+            prompt_ids=_pad(batch.prompt_ids, vocab_size, device) if penalties else None,
+            output_ids=output_ids,
+            banned=banned,
             bias=(
                 (to_device(bias_rows, torch.long, device), to_device(bias_ids, torch.long, device)),
                 to_device(bias_values, torch.float32, device),
@@ -125,9 +125,20 @@ class SamplingTensors:
             generators=generators,
             all_greedy=all_greedy,
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            bitmask=None if batch.bitmask is None else pinned_to(batch.bitmask, device),
+            bitmask=bitmask,
             max_top_k=max(top_k),
         )
+
+
+def _min_tokens_bans(batch: SamplingBatch, eos_ids: set[int], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids): the stop tokens of each row short of its min_tokens (None: none)."""
+    rows, ids = [], []
+    for i, (n, p) in enumerate(zip(batch.num_output_tokens, batch.params)):
+        if n < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+            rows += [i] * len(stops)
+            ids += sorted(stops)
+    return (to_device(rows, torch.long, device), to_device(ids, torch.long, device)) if rows else None
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
