@@ -1,10 +1,12 @@
 """async_scheduling: a step is launched before the previous step's tokens are read. The
 outputs must be exactly those of the synchronous engine, whatever stops requests meanwhile."""
 
+import random
+
 import pytest
 from conftest import make_llm
 
-from picovllm import SamplingParams
+from picovllm import SamplingParams, StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +166,79 @@ def test_prompt_chunks_and_admissions_are_launched_ahead_too(tiny_qwen, monkeypa
     assert [done[i] for i in range(len(prompts))] == expected
     assert chunks_ahead >= 3
     assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    """A random mix of the sampling settings (seeded where it samples)."""
+    kw = dict(max_tokens=rng.randint(1, 24), seed=rng.randint(0, 999), temperature=rng.choice([0, 0, 0.5, 1.0, 1.5]))
+    maybe = [
+        ("top_k", [1, 5, 50]),
+        ("top_p", [0.5, 0.9]),
+        ("min_p", [0.05, 0.2]),
+        ("repetition_penalty", [0.9, 1.3]),
+        ("frequency_penalty", [-0.5, 1.5]),
+        ("presence_penalty", [0.5, 1.0]),
+        ("logprobs", [0, 2]),
+        ("prompt_logprobs", [0, 1]),
+        ("n", [2, 3]),
+        ("ignore_eos", [True]),
+        ("stop", [["e"], [" the", "a"]]),
+    ]
+    for name, values in maybe:
+        if rng.random() < 0.25:
+            kw[name] = rng.choice(values)
+    if rng.random() < 0.25:
+        kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
+    if rng.random() < 0.25:
+        kw["stop_token_ids"] = rng.sample(range(3, 250), 3)
+    if rng.random() < 0.15:
+        kw["logit_bias"] = {rng.randint(3, 250): rng.choice([-100, 5, 100]) for _ in range(3)}
+    elif rng.random() < 0.1:
+        kw["allowed_token_ids"] = rng.sample(range(3, 250), 20)
+    elif rng.random() < 0.1:
+        kw["structured_outputs"] = StructuredOutputsParams(**rng.choice(CONSTRAINTS))
+    return SamplingParams(**kw)
+
+
+CONSTRAINTS = [
+    {"regex": "[a-z]{2,8}"},
+    {"choice": ["alpha", "beta", "gamma"]},
+    {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+]
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_qwen):
+    """Engines, async and not, with 32 KV blocks of 4 tokens for 5 sequences of up to 80 tokens
+    (preemption) and a 32-token step budget (prompts in chunks); prefix caching on."""
+    kw = dict(block_size=4, max_num_seqs=5, num_gpu_blocks_override=32, max_num_batched_tokens=32)
+    return make_llm(tiny_qwen[0], async_scheduling=True, **kw), make_llm(tiny_qwen[0], async_scheduling=False, **kw)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_mixes_of_settings_under_preemption_equal_the_synchronous_engine(tight, seed):
+    """Random requests (shared prefixes or not) with random mixes of every sampling setting,
+    eight rounds of up to ten: each request's completions as the synchronous engine's (the
+    log-probabilities within rounding: batches may differ), none refused by its grammar; KV
+    preempted along the way."""
+    fast, sync = tight
+    preempted = fast.llm_engine.scheduler.num_preemptions
+    for round_ in range(8):
+        rng = random.Random(1000 * seed + round_)
+        base = [rng.randint(3, 250) for _ in range(30)]
+        prompts = [
+            {"prompt_token_ids": base[: rng.randint(1, 30)] * (i % 2) + [rng.randint(3, 250)] * rng.randint(1, 40)}
+            for i in range(rng.randint(1, 10))
+        ]
+        params = [_random_params(rng) for _ in prompts]
+        got = fast.generate(prompts, params, use_tqdm=False)
+        want = sync.generate(prompts, params, use_tqdm=False)
+        for g, w, p in zip(got, want, params, strict=True):
+            assert [(c.token_ids, c.text, c.finish_reason) for c in g.outputs] == [
+                (c.token_ids, c.text, c.finish_reason) for c in w.outputs
+            ], p
+            assert [c.cumulative_logprob for c in g.outputs] == pytest.approx(
+                [c.cumulative_logprob for c in w.outputs], abs=1e-3
+            )
+            assert p.allowed_token_ids or all(c.finish_reason != "abort" for c in g.outputs), p
+    assert fast.llm_engine.scheduler.num_preemptions > preempted
