@@ -173,6 +173,9 @@ class StepInputs:
     # the sequences whose prompt's log-probabilities this step computes: (sequence, top-k, the
     # prompt tokens its first len(targets) new tokens predict, each the next token's id)
     prompt_logprobs: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # each block table is the one of the same row in the step before, the same or grown (a
+    # request's table is only ever appended to, or replaced: Request.block_table)
+    tables_continue: bool = False
 
     @property
     def num_seqs(self) -> int:

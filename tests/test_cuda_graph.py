@@ -8,7 +8,7 @@ import torch
 from picovllm.engine.step_launcher import step_inputs
 from picovllm.messages import StepInputs
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
-from picovllm.worker.inputs import MixedPadding, Uploader, build_decode, build_eager, build_mixed_graph
+from picovllm.worker.inputs import BlockTables, MixedPadding, Uploader, build_decode, build_eager, build_mixed_graph
 
 CPU_UPLOAD = Uploader(torch.device("cpu"))
 
@@ -45,6 +45,44 @@ def test_padding_rows_are_inert():
     assert meta.block_tables[3].tolist() == [0] * 5 and meta.block_tables[0].tolist() == [3, 4, 0, 0, 0]
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4] and meta.max_query_len == 1
     assert buf.vectors[:, 4:].eq(99).all()  # rows past the batch are not touched
+
+
+def test_block_tables_are_updated_where_they_grew_when_they_continue_the_last_steps():
+    """The step's block tables array is kept: a step whose tables continue the last one's (the
+    same lists, appended to) has only the grown rows written; any other step rebuilds it. Its
+    contents are the tables either way (padding rows and ends of short tables: block 0)."""
+    from types import SimpleNamespace
+
+    def request(table):
+        return SimpleNamespace(
+            block_table=table, num_computed_tokens=4, token_ids=list(range(5)), needs_prompt_logprobs=False
+        )
+
+    reqs = [request([3, 4]), request([1]), request([0, 5, 8])]
+    batch = SimpleNamespace(requests=reqs, num_new_tokens=[1, 1, 1])
+    tables = BlockTables()
+
+    def build(step, rows=4):
+        expected = np.zeros((rows, max(len(r.block_table) for r in reqs)), dtype=np.int64)
+        for b, r in enumerate(reqs):
+            expected[b, : len(r.block_table)] = r.block_table
+        assert tables(step, rows).tolist() == expected.tolist()
+
+    first = step_inputs(batch)
+    assert not first.tables_continue
+    build(first)
+    reqs[1].block_table += [9, 10, 11]  # (past the widest: the array widens)
+    second = step_inputs(batch, tables_before=first.block_tables)
+    assert second.tables_continue
+    tables.array[0, 0] = 77  # (a row that did not grow is not written again)
+    array = tables(second, 4)
+    assert array[0].tolist() == [77, 4, 0, 0] and array[1].tolist() == [1, 9, 10, 11] and array[3].tolist() == [0] * 4
+    tables.array[0, 0] = 3
+    reqs[0].block_table = [6, 7]  # replaced: another list, so the tables do not continue
+    third = step_inputs(batch, tables_before=second.block_tables)
+    assert not third.tables_continue
+    build(third)
+    build(step_inputs(batch, tables_before=third.block_tables), rows=3)  # (another padding: rebuilt)
 
 
 def test_prefill_inputs_sample_the_last_token_of_each_sequence():

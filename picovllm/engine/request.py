@@ -49,7 +49,7 @@ class Request:
         self.arrival = arrival
         self.seed = seed  # of its own generator (on the rank that samples); None: the global one
         self.status = RequestStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # appended to, or replaced by another list: never changed in place
         self.num_cached_tokens = 0  # leading tokens whose KV came from the prefix cache this admission
         self.num_host_cached_tokens = 0  # of those, the ones the cache had on the host only
         self.host_blocks: list[int] = []  # SWAPPED: its KV, covering its first num_swapped_tokens tokens

@@ -40,11 +40,17 @@ class LaunchedStep(NamedTuple):
     prompt_rows: list[tuple[Request, int, int]] = []
 
 
-def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | None = None) -> StepInputs:
+def step_inputs(
+    batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | None = None, tables_before: list | None = None
+) -> StepInputs:
     """A scheduled batch as plain data (what every rank's forward needs), with the copies between
     the KV pools to run first. The first num_pending requests decode a token sampled by the step
     before and not yet read by the host (a step launched ahead): their input token is a
-    placeholder, filled on the device (ModelRunner.prepare)."""
+    placeholder, filled on the device (ModelRunner.prepare). tables_before: the block tables of
+    the step before (the very lists): when each row's is the same list, the tables continue
+    them (a list is only appended to while it is the request's: StepInputs.tables_continue)."""
+    tables = [r.block_table for r in batch.requests]
+    same = tables_before is not None and len(tables_before) == len(tables)
     token_ids, context, sample, prompt_logprobs = [], [], [], []
     for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
         end = r.num_computed_tokens + n
@@ -58,10 +64,11 @@ def step_inputs(batch: ScheduledBatch, num_pending: int = 0, kv_copies: list | N
         token_ids,
         np.array(context, dtype=np.int64),
         np.array(batch.num_new_tokens, dtype=np.int64),
-        [r.block_table for r in batch.requests],
+        tables,
         np.array(sample),
         kv_copies or [],
         prompt_logprobs,
+        same and all(map(operator.is_, tables, tables_before)),
     )
 
 
@@ -107,6 +114,7 @@ class StepLauncher:
         self.filler = filler  # (the structured outputs' bitmasks: StructuredOutputManager's)
         self._filling: Future | None = None  # the bitmask of the step launched ahead (take_tokens)
         self._last_sampling: tuple[list[Request], SamplingBatch, bool] | None = None  # (see _sampling_batch)
+        self._last_tables: list[list[int]] | None = None  # the last step's block tables (step_inputs)
         self.num_launched_ahead = 0
 
     def next_step(self) -> LaunchedStep | None:
@@ -143,7 +151,7 @@ class StepLauncher:
         """Nothing in flight (no request left, or a step failed)."""
         if self._filling is not None:
             self._filling.exception()  # (waits: its matchers are its own until it is done)
-        self.inflight, self._last_sampling, self._filling = None, None, None
+        self.inflight, self._last_sampling, self._filling, self._last_tables = None, None, None, None
 
     def launch(
         self,
@@ -159,7 +167,8 @@ class StepLauncher:
         returned sampled with the step launched. A step launched so whose sampling rows include a
         grammar's samples once those tokens are read and its bitmask filled: the forward runs
         meanwhile."""
-        step = step_inputs(batch, num_pending, self.block_manager.take_copies())
+        step = step_inputs(batch, num_pending, self.block_manager.take_copies(), self._last_tables)
+        self._last_tables = step.block_tables
         # the requests whose last token this step computes (step.sample): each samples one token
         reqs = [r for r, sample in zip(batch.requests, step.sample.tolist()) if sample]
         defer = num_pending > 0 and any(r.grammar is not None for r in reqs)

@@ -8,8 +8,8 @@ uploaded to the device in one copy. One builder per kind of step:
                         (MixedGraphs.layout), so that the graph fills it with one copy
     build_eager         a step with prompt tokens run eagerly
 
-Slot mappings and block tables are built with vectorised numpy ops (a loop over sequences,
-never over tokens).
+Slot mappings are built with vectorised numpy ops (a loop over sequences, never over tokens); the
+block tables' array is kept from step to step and updated where the tables grew (BlockTables).
 """
 
 from __future__ import annotations
@@ -107,12 +107,38 @@ class _Tokens(NamedTuple):
     logits_indices: np.ndarray
 
 
-def _tokens(step: StepInputs, block_size: int, rows: int) -> _Tokens:
+class BlockTables:
+    """A step's block tables as one [rows, width] array (rows: the step's padded sequences; padding
+    rows and the ends of short tables: block 0), kept from step to step: when the step's tables
+    continue the last step's (StepInputs.tables_continue: the same rows, each table the same or
+    grown), only what the grown ones added is written, not every table. The array is this
+    object's until the next call."""
+
+    def __init__(self):
+        self.array = np.zeros((0, 1), dtype=np.int64)
+        self.lens = np.zeros(0, dtype=np.int64)  # each row's table length in the array
+
+    def __call__(self, step: StepInputs, rows: int) -> np.ndarray:
+        tables = step.block_tables
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        width = max(1, int(lens.max()))
+        same = step.tables_continue and self.array.shape[0] == rows and len(self.lens) == len(tables)
+        if not same:
+            self.array = np.zeros((rows, width), dtype=np.int64)
+            for b, table in enumerate(tables):
+                self.array[b, : len(table)] = table
+        else:
+            if width > self.array.shape[1]:
+                self.array = np.pad(self.array, ((0, 0), (0, width - self.array.shape[1])))
+            for b in np.flatnonzero(lens != self.lens).tolist():
+                self.array[b, self.lens[b] : lens[b]] = tables[b][self.lens[b] :]
+        self.lens = lens
+        return self.array
+
+
+def _tokens(step: StepInputs, block_size: int, rows: int, block_tables: BlockTables | None = None) -> _Tokens:
     num_seqs = step.num_seqs
-    width = max(1, max(len(t) for t in step.block_tables))
-    tables = np.zeros((rows, width), dtype=np.int64)
-    for b, table in enumerate(step.block_tables):
-        tables[b, : len(table)] = table
+    tables = (block_tables or BlockTables())(step, rows)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(step.query_lens, out=query_start_loc[1:])
     total = int(query_start_loc[-1])
@@ -141,12 +167,18 @@ def _meta(
     )
 
 
-def build_decode(step: StepInputs, block_size: int, upload: Uploader, batch_size: int | None = None) -> ModelInputs:
+def build_decode(
+    step: StepInputs,
+    block_size: int,
+    upload: Uploader,
+    batch_size: int | None = None,
+    tables: BlockTables | None = None,
+) -> ModelInputs:
     """A decode step, padded to batch_size when given (a decode graph's; padding rows: token 0 at
     position 0, slot -1 so nothing is stored, a one-token context over block 0). graph_inputs is
     DecodeGraphs' [4, B] layout: input ids, positions, slots, context lens."""
     rows = batch_size or step.num_seqs
-    t = _tokens(step, block_size, rows)
+    t = _tokens(step, block_size, rows, tables)
     vectors = np.zeros((4, rows), dtype=np.int64)
     vectors[2], vectors[3] = -1, 1
     vectors[:, : step.num_seqs] = t.input_ids, t.positions, t.slots, step.context_lens
@@ -155,14 +187,16 @@ def build_decode(step: StepInputs, block_size: int, upload: Uploader, batch_size
     return ModelInputs(input_ids, positions, _meta(step, slots, tables, context_lens, qsl), None, graph_inputs)
 
 
-def build_mixed_graph(step: StepInputs, block_size: int, upload: Uploader, pad: MixedPadding) -> ModelInputs:
+def build_mixed_graph(
+    step: StepInputs, block_size: int, upload: Uploader, pad: MixedPadding, tables: BlockTables | None = None
+) -> ModelInputs:
     """A step with prompt tokens for a mixed-step graph of this padding: tokens [3, T] (input ids,
     positions, slots; padding tokens have slot -1 and belong to no sequence), context lens [S] and
     query_start_loc [S + 1] (padding sequences: no tokens, no context), the prefill work list [W]
     (padding items: -1), packed in that order (MixedGraphs.layout) as graph_inputs; the block
     tables and the sampled rows after them."""
     assert pad.tokens >= step.num_tokens and pad.seqs >= step.num_seqs, (pad, step.num_tokens, step.num_seqs)
-    t = _tokens(step, block_size, pad.seqs)
+    t = _tokens(step, block_size, pad.seqs, tables)
     total = step.num_tokens
     tokens = np.zeros((3, pad.tokens), dtype=np.int64)
     tokens[2] = -1
@@ -179,9 +213,9 @@ def build_mixed_graph(step: StepInputs, block_size: int, upload: Uploader, pad: 
     return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work, block_m), logits, graph_inputs)
 
 
-def build_eager(step: StepInputs, block_size: int, upload: Uploader) -> ModelInputs:
+def build_eager(step: StepInputs, block_size: int, upload: Uploader, tables: BlockTables | None = None) -> ModelInputs:
     """A step with prompt tokens, run eagerly: nothing padded."""
-    t = _tokens(step, block_size, step.num_seqs)
+    t = _tokens(step, block_size, step.num_seqs, tables)
     work, block_m = prefill_work_list(step.query_lens)
     input_ids, positions, slots, ctx, tables, qsl, logits, work = upload(
         t.input_ids,

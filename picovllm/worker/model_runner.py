@@ -26,7 +26,7 @@ from picovllm.model.layers.fp8 import FP8, quantize_linear_weights
 from picovllm.model.layers.linear import pack_weights
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
-from picovllm.worker.inputs import ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
+from picovllm.worker.inputs import BlockTables, ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
 from picovllm.worker.sampler import Sampler, SamplingTensors, pinned_to, token_logprobs
 
 logger = logging.getLogger("picovllm")
@@ -79,6 +79,7 @@ class ModelRunner:
             pack_weights(self.model)
         self.sampler = Sampler()
         self.upload = Uploader(device)
+        self.block_tables = BlockTables()
         self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None
         self._deferred: tuple | None = None  # (run with defer: its logits, sampling tensors, prompt logprobs)
         self._prompt: tuple | None = None  # (the step's prompt logprobs, from step_logits to run)
@@ -189,12 +190,13 @@ class ModelRunner:
     def _build(self, step: StepInputs) -> tuple[ModelInputs, DecodeGraphs | MixedGraphs | None]:
         if step.is_decode:
             size = self.graphs.padded_size(step.num_seqs) if self.graphs is not None else None
-            return build_decode(step, self.block_size, self.upload, size), self.graphs if size else None
+            inputs = build_decode(step, self.block_size, self.upload, size, self.block_tables)
+            return inputs, self.graphs if size else None
         if self.mixed_graphs is not None:
             pad = self.mixed_graphs.padding(step.num_tokens, step.num_seqs, prefill_work_items(step.query_lens))
             if pad is not None:
-                return build_mixed_graph(step, self.block_size, self.upload, pad), self.mixed_graphs
-        return build_eager(step, self.block_size, self.upload), None
+                return build_mixed_graph(step, self.block_size, self.upload, pad, self.block_tables), self.mixed_graphs
+        return build_eager(step, self.block_size, self.upload, self.block_tables), None
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[bool, list[int], list[int]]]) -> None:
