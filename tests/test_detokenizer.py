@@ -92,3 +92,26 @@ def test_streamed_text_equals_the_whole_decode(tokenizer, skip, seed):
     whole = tokenizer.decode(prompt + output, skip_special_tokens=skip)
     head = tokenizer.decode(prompt, skip_special_tokens=skip)
     assert whole.startswith(head) and texts[-1] == whole[len(head) :]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("completed", [True, False])
+def test_a_prompt_that_ends_inside_a_character_keeps_that_character(tokenizer, skip, completed):
+    """Token-id prompts may end inside a multi-byte character (the emoji's first bytes): those
+    bytes are the prompt's, whether the output completes the character or not. Streamed, windowed
+    and decoded at the end, the output's text is what decoding the whole sequence adds to the
+    prompt's text."""
+    emoji = tokenizer.encode("😀")
+    if len(emoji) < 2:
+        pytest.skip("this tokenizer has the character whole (no byte fallback)")
+    prompt = tokenizer.encode("Hi ") + emoji[:2]
+    output = (emoji[2:] if completed else []) + tokenizer.encode(" café and 東京 ok")
+    fast = Detokenizer(tokenizer)
+    windowed = Detokenizer(tokenizer)
+    windowed.backend = None
+    texts = _streamed(fast, prompt, output, skip)
+    assert texts == _streamed(windowed, prompt, output, skip)
+    assert _decoded_at_the_end(fast, prompt, output, skip, stopped=False) == texts[-1]
+    whole = tokenizer.decode(prompt + output, skip_special_tokens=skip)
+    head = tokenizer.decode(prompt, skip_special_tokens=skip)
+    assert texts[-1] == whole[len(head) :] and texts[-1].endswith(" café and 東京 ok")

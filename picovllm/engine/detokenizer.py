@@ -44,10 +44,16 @@ class Detokenizer:
                 self._open_stream(req)
 
     def _open_stream(self, req: Request) -> None:
+        """The stream, primed with the prompt's last tokens. A prompt of token ids may end inside a
+        character: the stream then holds its bytes and would show them with the output's first
+        text; that first text is taken from the windowed decoding instead (_stream), which leaves
+        them to the prompt."""
         req.decode_stream = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
+        piece = None
         for token in req.token_ids[req.prefix_offset : req.read_offset]:
-            req.decode_stream.step(self.backend, token)
+            piece = req.decode_stream.step(self.backend, token)
         req.num_streamed = req.read_offset
+        req.stream_holds_prompt = req.read_offset > req.prefix_offset and piece is None
 
     def step(self, req: Request) -> str | None:
         """Append the text of the newest token(s) to req.output_text; return the stop string
@@ -78,6 +84,8 @@ class Detokenizer:
         for i in range(req.num_streamed, end):
             piece = req.decode_stream.step(self.backend, ids[i])
             if piece:
+                if req.stream_holds_prompt:  # (the output's first text: the prompt's bytes left out)
+                    piece, req.stream_holds_prompt = self._window_text(req, i + 1, final=True), False
                 pieces.append(piece)
                 req.read_offset = i + 1
         req.num_streamed = end
@@ -87,13 +95,19 @@ class Detokenizer:
     def _window(self, req: Request, final: bool = False) -> str:
         """The text of the tokens past read_offset, decoded after the few before it (spacing);
         nothing while it ends in an incomplete character, unless final."""
+        text = self._window_text(req, len(req.token_ids), final)
+        if text:
+            req.prefix_offset, req.read_offset = req.read_offset, len(req.token_ids)
+        return text
+
+    def _window_text(self, req: Request, end: int, final: bool) -> str:
+        """The text of tokens read_offset..end, as _window decodes it (offsets unchanged)."""
         skip = req.params.skip_special_tokens
         ids = req.token_ids
         prefix = self.tokenizer.decode(ids[req.prefix_offset : req.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[req.prefix_offset :], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[req.prefix_offset : end], skip_special_tokens=skip)
         if len(full) <= len(prefix) or (not final and full.endswith("\ufffd")):
             return ""
-        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
         return full[len(prefix) :]
 
     def flush(self, req: Request) -> str | None:

@@ -69,6 +69,7 @@ class Request:
         self.read_offset = 0
         self.decode_stream = None  # a tokenizers DecodeStream, and the tokens it has seen
         self.num_streamed = 0
+        self.stream_holds_prompt = False  # its stream holds the prompt's last bytes (an incomplete character)
         self.text_at_end = False  # decoded once, when it ends (nothing reads its text before)
         self.num_output_sent = 0  # RequestOutputKind.DELTA: output tokens (and logprobs) reported so far
         self.text_sent = 0  # and characters of output_text
