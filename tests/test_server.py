@@ -159,6 +159,84 @@ def test_n_seed_and_logprobs(client):
     assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy: the top token
 
 
+def _random_completion(rng) -> dict:
+    """A /v1/completions body: a token-id prompt, greedy or seeded, a random mix of settings."""
+    body = {
+        "model": MODEL,
+        "prompt": [rng.randint(3, 250) for _ in range(rng.randint(1, 40))],
+        "max_tokens": rng.randint(1, 16),
+        "temperature": rng.choice([0, 0.7, 1.3]),
+        "seed": rng.randint(0, 999),
+    }
+    maybe = {
+        "n": [2, 3],
+        "top_k": [5, 40],
+        "top_p": [0.6, 0.95],
+        "repetition_penalty": [1.2, 0.9],
+        "frequency_penalty": [0.7],
+        "stop": [["e"], ["a", " t"]],
+        "include_stop_str_in_output": [True],
+        "ignore_eos": [True],
+        "min_tokens": [1, 3],
+        "logprobs": [1, 3],
+        "stop_token_ids": [[40, 41, 42]],
+        "logit_bias": [{"203": 100}],
+        "structured_outputs": [{"regex": "[a-z]{3,9}"}],
+    }
+    for name, values in maybe.items():
+        if rng.random() < 0.15:
+            body[name] = rng.choice(values)
+    return body
+
+
+def _sampling_params(body: dict) -> SamplingParams:
+    names = set(dataclasses.asdict(SamplingParams()))
+    kw = {k: v for k, v in body.items() if k in names and k not in ("logit_bias", "structured_outputs")}
+    if "logit_bias" in body:
+        kw["logit_bias"] = {int(t): v for t, v in body["logit_bias"].items()}
+    if "structured_outputs" in body:
+        kw["structured_outputs"] = picovllm.StructuredOutputsParams(**body["structured_outputs"])
+    return SamplingParams(**kw)
+
+
+async def _completion_texts(client: httpx.AsyncClient, body: dict, stream: bool) -> list[tuple]:
+    """(index, text, finish_reason) of each choice; streamed: its deltas put together."""
+    if not stream:
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return sorted((c["index"], c["text"], c["finish_reason"]) for c in r.json()["choices"])
+    texts, reasons = {}, {}
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                    reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+    return sorted((i, texts[i], reasons[i]) for i in texts)
+
+
+def test_random_requests_streamed_or_not_give_what_llm_generate_gives(server):
+    """Rounds of concurrent requests with random mixes of settings, streamed or not: each choice's
+    text and finish reason as LLM.generate's for the same prompt and settings."""
+    import random
+
+    async def rounds():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=server[0], headers=headers, timeout=60) as client:
+            for round_ in range(4):
+                rng = random.Random(round_)
+                bodies = [_random_completion(rng) for _ in range(rng.randint(3, 8))]
+                streams = [rng.random() < 0.5 for _ in bodies]
+                got = await asyncio.gather(*(_completion_texts(client, b, s) for b, s in zip(bodies, streams)))
+                prompts = [{"prompt_token_ids": b["prompt"]} for b in bodies]
+                outs = server[2].generate(prompts, [_sampling_params(b) for b in bodies], use_tqdm=False)
+                for body, g, o in zip(bodies, got, outs):
+                    assert g == sorted((c.index, c.text, c.finish_reason) for c in o.outputs), body
+
+    asyncio.run(rounds())
+
+
 def test_streamed_n_completions_end_once_each_and_equal_the_non_streamed(client):
     """n=2, seeded: each choice's stream joins to its non-streamed text, and ends with exactly one
     chunk carrying its finish_reason (the engine reports every completion of the request each step)."""
