@@ -133,6 +133,29 @@ def test_required_and_named_tool_choice_give_calls_whose_arguments_validate(tiny
         assert all(c["id"].startswith("call_") for c in calls.values())
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("cut", [{"max_tokens": 3}, {"max_tokens": 12}, {"stop": ["e", '"']}])
+def test_a_constrained_call_cut_off_is_answered_the_same_streamed_or_not(tiny_server, choice, cut):
+    """max_tokens or a stop string may end a "required" or named tool's answer before its JSON is
+    complete: a 200 all the same, and the stream's deltas add up to the whole answer. A named
+    tool's call carries its arguments as they came (they stream as they come, as OpenAI's cut-off
+    calls do); a cut-off "required" array is content, not calls."""
+    client = openai.OpenAI(base_url=tiny_server + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    kwargs = dict(model="tiny", messages=msgs, tools=[WEATHER, TIME], tool_choice=choice, seed=3, temperature=1.0)
+    kwargs.update(cut) if "max_tokens" in cut else kwargs.update(max_tokens=200, stop=cut["stop"])
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason in ("length", "stop")
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    if choice == "required":
+        assert not calls and whole.message.content
+    else:
+        assert calls == [("get_weather", calls[0][1])] and not whole.message.content
+    content, streamed, finish = _streamed(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == whole.finish_reason and content == (whole.message.content or "")
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == calls
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

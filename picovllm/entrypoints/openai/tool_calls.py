@@ -9,8 +9,10 @@ depends on tool_choice:
                  what is not a call stays text; finish_reason "tool_calls" when there are calls
     "required"   output constrained (structured outputs) to a JSON array of calls, each
                  {"name": one of the tools, "parameters": under its schema}: the arguments
-                 always parse; finish_reason "tool_calls"
-    a named one  output constrained to that tool's parameters: one call of it
+                 always parse; finish_reason "tool_calls" (an array cut off by max_tokens or a
+                 stop string: its text as content)
+    a named one  output constrained to that tool's parameters: one call of it (cut off: the
+                 arguments as far as they came, as they stream)
 """
 
 from __future__ import annotations
@@ -78,12 +80,17 @@ def tool_constraint(tools: list[dict], choice: str, parallel: bool) -> Structure
     )
 
 
-def constrained_calls(text: str, choice: str) -> list[ToolCall]:
-    """The calls of an answer made under tool_constraint ("required": a JSON array; a named tool:
-    its arguments)."""
+def constrained_calls(text: str, choice: str) -> list[ToolCall] | None:
+    """The calls of an answer made under tool_constraint: a named tool's one call, its arguments
+    the text as it came (cut off too: max_tokens or a stop string may end it early, and its
+    arguments stream as they come); "required": the calls of its JSON array, None when the array
+    was cut off before it was complete."""
     if choice != "required":
         return [ToolCall(choice, text)]
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    try:
+        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

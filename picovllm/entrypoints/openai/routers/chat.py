@@ -146,9 +146,9 @@ class _ToolCalls:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         if self.choice == "auto":
             content, calls = self.parser().parse(text)
-        elif finish_reason == "stop":
-            content, calls = "", constrained_calls(text, self.choice)
-        else:  # (cut off inside the constraint: no call to give)
+        elif (calls := constrained_calls(text, self.choice)) is not None:
+            content = ""
+        else:  # ("required" cut off inside its array: no call to give)
             content, calls = text, []
         message = {"role": "assistant", "content": (content.strip() or None) if calls else content}
         if calls:
@@ -169,8 +169,13 @@ class _ToolCalls:
                 deltas.append({"content": content})
         elif self.choice == "required":  # (whole calls once the array is complete)
             s.pieces.append(text)
-            if finish_reason == "stop":
-                calls = constrained_calls("".join(s.pieces), self.choice)
+            if finish_reason is not None:
+                answer = "".join(s.pieces)
+                calls = constrained_calls(answer, self.choice)
+                if calls is None:  # (cut off inside its array: the text, as message gives it)
+                    calls = []
+                    if answer:
+                        deltas.append({"content": answer})
         elif text or not s.num_calls:  # a named tool: its one call's arguments as they come
             head = {"id": s.call_id, "type": "function", "function": {"name": self.choice, "arguments": text}}
             deltas.append(
