@@ -156,6 +156,31 @@ def test_a_constrained_call_cut_off_is_answered_the_same_streamed_or_not(tiny_se
     assert [(c["name"], c["arguments"]) for c in streamed.values()] == calls
 
 
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_tool_answers_carry_their_logprobs(tiny_server, choice):
+    """logprobs with tools: the stream's chunks carry each token's, as the whole answer does."""
+    client = openai.OpenAI(base_url=tiny_server + "/v1", api_key="none", max_retries=0)
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Time?"}],
+        tools=[WEATHER, TIME],
+        tool_choice=choice,
+        max_tokens=40,
+        seed=5,
+        temperature=1.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    expected = [(t.token, t.logprob, [x.token for x in t.top_logprobs]) for t in whole.logprobs.content]
+    streamed = [
+        (t.token, t.logprob, [x.token for x in t.top_logprobs])
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        for t in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])
+    ]
+    assert len(expected) > 3 and streamed == expected
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -231,10 +231,13 @@ async def _stream(
             completion_tokens += len(c.token_ids)
             if calls is not None:
                 deltas, finish_reason = calls.feed(c.index, c.text, c.finish_reason)
+                # the tokens' logprobs go with the first chunk (one of their own while the text is held)
+                logprobs = {"content": chat_logprobs(c, top_logprobs)} if req.logprobs and c.token_ids else None
                 for delta in deltas:
-                    yield chunk(c.index, None, delta=delta)
-                if finish_reason is not None:
-                    yield chunk(c.index, None, finish_reason=finish_reason)
+                    yield chunk(c.index, None, logprobs, delta=delta)
+                    logprobs = None
+                if finish_reason is not None or logprobs is not None:
+                    yield chunk(c.index, None, logprobs, finish_reason=finish_reason)
             elif not req.logprobs and c.finish_reason is None:
                 yield templates.event(c.index, c.text)
             else:
