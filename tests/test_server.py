@@ -97,6 +97,23 @@ def test_streaming_equals_non_streaming_and_holds_back_stop_text(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("extra", [{}, {"stop": ["a", " t"]}, {"echo": True}])
+def test_streamed_completion_logprobs_equal_the_whole_answers(client, extra):
+    """Tokens, log-probabilities and text offsets, streamed or not, for a random model's output of
+    split characters (held back until complete) and stop strings' text (held back until known)."""
+    kwargs = dict(model=MODEL, prompt=[205, 180, 175], max_tokens=15, temperature=0, logprobs=2, **extra)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    tokens, lps, offsets = [], [], []
+    for chunk in client.completions.create(**kwargs, stream=True):
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            lps += lp.token_logprobs
+            offsets += lp.text_offset
+    assert len(whole.tokens) > 5 and len(set(whole.tokens)) > 3
+    assert (tokens, lps, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset)
+
+
 def test_chat_stream_and_usage(client):
     msgs = [{"role": "user", "content": "Hello"}]
     full = client.chat.completions.create(

@@ -385,9 +385,10 @@ def _lp_item(lp) -> dict:
 
 
 def completion_logprobs(c: CompletionOutput, offset: int = 0, prompt: tuple | None = None, decode=None) -> dict:
-    """/v1/completions' logprobs of c's tokens; text_offset: where each token's text starts in the
-    choice's text, counted from offset (the text before them: an echoed prompt, or what a stream
-    has sent of the choice), as vLLM counts it. prompt: (token ids, RequestOutput.prompt_logprobs)
+    """/v1/completions' logprobs of c's tokens; text_offset: where each token's text starts, each
+    token's text after the one before (as vLLM counts it), from offset (an echoed prompt's
+    length, or in a stream where the tokens sent before end, so that the streamed offsets are the
+    whole answer's). prompt: (token ids, RequestOutput.prompt_logprobs)
     of an echoed prompt, whose tokens come first (as vLLM gives them: the first without a
     log-probability, its text from decode)."""
     ids, entries = list(c.token_ids), list(c.logprobs or [])

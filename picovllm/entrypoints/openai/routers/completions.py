@@ -118,7 +118,7 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
 
     templates = EventTemplates(chunk)
     for i, stream in enumerate(streams):
-        tracker, done, sent = state.metrics.track(), set(), {}  # (sent: characters of each choice so far)
+        tracker, done, sent = state.metrics.track(), set(), {}  # (sent: each choice's next text offset)
         prompt_out = None  # (the output with the prompt's logprobs: the first)
         async for out in stream:
             tracker.update(out)
@@ -126,20 +126,19 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
             for c in new_completions(out, done):
                 echoed = _echoed(out, state) if req.echo and c.index not in sent else ""
                 text = echoed + c.text
-                before = sent.get(c.index, 0)  # (where this chunk's text starts)
-                sent[c.index] = before + len(text)
                 completion_tokens += len(c.token_ids)
                 index = i * n + c.index
-                if req.logprobs is None and c.finish_reason is None:
+                logprobs = None
+                if req.logprobs is not None:  # (offsets go on from the tokens sent, as the whole answer's)
+                    logprobs = _logprobs(c, prompt_out, state, sent.get(c.index, 0), echoed)
+                    ends = [o + len(t or "") for o, t in zip(logprobs["text_offset"], logprobs["tokens"])]
+                    sent[c.index] = ends[-1] if ends else sent.get(c.index, 0) + len(echoed)
+                else:
+                    sent[c.index] = 0
+                if logprobs is None and c.finish_reason is None:
                     yield templates.event(index, text)
                 else:
-                    yield chunk(
-                        index,
-                        text,
-                        _logprobs(c, prompt_out, state, before, echoed) if req.logprobs is not None else None,
-                        c.finish_reason,
-                        c.stop_reason,
-                    )
+                    yield chunk(index, text, logprobs, c.finish_reason, c.stop_reason)
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
                 cached_tokens += out.num_cached_tokens
