@@ -203,6 +203,8 @@ def _random_completion(rng) -> dict:
     for name, values in maybe.items():
         if rng.random() < 0.15:
             body[name] = rng.choice(values)
+    if "min_tokens" in body:
+        body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
     return body
 
 
