@@ -51,6 +51,25 @@ def test_an_evicted_node_is_demoted_and_a_hit_promotes_it_back():
     assert cache.tree.match_prefix(b.token_ids)[1] == 0
     cache.check_invariants([again])
     assert cache.promoted_blocks == 2 and cache.evicted_blocks == 2 + 3 and cache.host_evicted_blocks == 0
+    assert node.copied  # (its GPU copy came from the host: the same bytes)
+
+
+def test_a_host_only_node_computed_again_is_marked_as_not_copied():
+    """A request that computes tokens the host holds (no GPU blocks to promote them into) gives
+    the node its GPU copy: the same tokens' KV, but computed again, so the invariants check it
+    within rounding, not byte for byte; a demotion or promotion is a copy again."""
+    tree = RadixTree(BS)
+    node, _ = tree.insert(list(range(8)), [5, 6])
+    tree.set_host(node, [0, 1])
+    assert node.copied
+    tree.drop_gpu(node)
+    _, taken = tree.insert(list(range(8)) + [9], [7, 8, 3])
+    assert taken == [7, 8] and node.blocks == [7, 8] and node.host == [0, 1] and not node.copied
+    head = tree._split(node, 4)  # (a split keeps it on both parts)
+    assert not head.copied and not node.copied
+    tree.drop_gpu(node)
+    tree.set_gpu(node, [4])
+    assert node.copied
 
 
 def test_copies_are_queued_in_order_and_joined_only_when_safe():
@@ -255,3 +274,54 @@ def test_the_server_shows_the_host_tier(tiny_qwen):
     finally:
         stop()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("preemption,async_scheduling", [("swap", False), ("recompute", True)])
+def test_random_arrivals_and_aborts_keep_both_tiers_consistent(tiny_qwen, preemption, async_scheduling):
+    """Requests arriving and aborted at random steps, prompts sharing prefixes, n > 1, penalties,
+    grammars and prompt logprobs, in 40 GPU blocks over a host tier: invariants after every step
+    (a node in both tiers holds the same KV in both: the same bytes, or within rounding where a
+    request computed again what the host held), every request ended, and nothing held after."""
+    from picovllm import StructuredOutputsParams
+
+    llm = make_llm(
+        tiny_qwen[0],
+        block_size=4,
+        max_num_seqs=5,
+        num_gpu_blocks_override=40,
+        max_num_batched_tokens=32,
+        preemption_mode=preemption,
+        kv_offload_memory=64 * BLOCK_BYTES,
+        async_scheduling=async_scheduling,
+    )
+    engine = llm.llm_engine
+    engine.debug_invariants = True
+    rng = random.Random(1)
+    base = [rng.randint(3, 250) for _ in range(20)]
+    live, ended = set(), 0
+    for step in range(120):
+        for _ in range(rng.randint(0, 3) if step < 100 else 0):
+            rid = f"{step}-{rng.random()}"
+            kw = dict(max_tokens=rng.randint(1, 30), temperature=rng.choice([0, 1.0]), seed=rng.randint(0, 99))
+            kw.update(rng.choice([{}, {}, {"n": 2}, {"repetition_penalty": 1.3}, {"prompt_logprobs": 1}]))
+            if rng.random() < 0.15:
+                kw["structured_outputs"] = StructuredOutputsParams(regex="[a-z]{2,12}")
+            prompt = base[: rng.randint(0, 20)] + [rng.randint(3, 250) for _ in range(rng.randint(1, 40))]
+            engine.add_request(rid, prompt, SamplingParams(**kw))
+            live.add(rid)
+        for out in engine.step() if engine.has_unfinished_requests() else []:
+            if out.finished:
+                live.discard(out.request_id)
+                ended += 1
+        assert not engine.take_failed()
+        if live and rng.random() < 0.1:
+            victim = rng.choice(sorted(live))
+            engine.abort_request(victim)
+            live.discard(victim)
+    while engine.has_unfinished_requests():
+        ended += sum(out.finished for out in engine.step())
+        assert not engine.take_failed()
+    bm, m = engine.block_manager, engine.get_metrics()
+    assert ended > 100 and m["num_preemptions"] > 0 and m["kv_offload_promoted_blocks"] > 0
+    assert llm.reset_prefix_cache() and bm.num_free_blocks == bm.num_total_blocks
+    assert bm.host.num_free == bm.host.num_blocks

@@ -300,9 +300,11 @@ class LLMEngine:
         self.scheduler.check_invariants(ahead, self.kv_handoff.held() if self.kv_handoff else ())
         tree = self.scheduler.cache.tree
         if self.block_manager.host is not None and tree is not None and not self.block_manager.copies:
-            # a node in both tiers holds the same KV in both (rank 0's pools; no copy pending)
-            both = [(n.blocks, n.host) for n in tree.nodes() if n.blocks is not None and n.host is not None]
-            self.executor.check_host_copies([p for gpu, host in both for p in zip(gpu, host)])
+            # a node in both tiers holds the same KV in both (rank 0's pools; no copy pending):
+            # the same bytes where one was copied from the other, else within rounding
+            both = [n for n in tree.nodes() if n.blocks is not None and n.host is not None]
+            copied = [p for n in both if n.copied for p in zip(n.blocks, n.host)]
+            self.executor.check_host_copies(copied, [p for n in both if not n.copied for p in zip(n.blocks, n.host)])
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block no running request uses; True if the cache is now empty."""

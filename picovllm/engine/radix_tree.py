@@ -5,8 +5,10 @@ Edges are labelled with token runs and split at any token. A node whose edge cov
 token range [start, end) holds the full blocks that end inside (start, end]: block indices
 [start // block_size, end // block_size). Every full block of an inserted sequence therefore
 belongs to exactly one node on its path, and a partial trailing block to none. A node holds
-them on the GPU (`blocks`), on the host (`host`), or both (the same KV: a full block never
-changes once computed); a node with neither is removed.
+them on the GPU (`blocks`), on the host (`host`), or both: the same tokens' KV, the very same
+bytes when one tier's copy was copied from the other's (`copied`), else within rounding (a
+request computed again, in its own prompt chunks, what the host held: insert); a node with
+neither is removed.
 
 lock_ref of a node = number of live requests whose lock point is the node or below it. Locked
 nodes are on the GPU, and so is the parent of every node on the GPU: the GPU part of the tree is
@@ -24,7 +26,7 @@ from picovllm.engine.eviction_policy import LRU
 
 
 class RadixNode:
-    __slots__ = ("parent", "children", "tokens", "start", "blocks", "host", "lock_ref", "last_access")
+    __slots__ = ("parent", "children", "tokens", "start", "blocks", "host", "copied", "lock_ref", "last_access")
 
     def __init__(self, parent: RadixNode | None, tokens: list[int], start: int, blocks: list[int] | None):
         self.parent = parent
@@ -33,6 +35,7 @@ class RadixNode:
         self.start = start
         self.blocks = blocks  # GPU block ids (None: not on the GPU)
         self.host: list[int] | None = None  # host block ids (None: not on the host)
+        self.copied = True  # (in both tiers: one copied from the other, byte for byte; see the module's doc)
         self.lock_ref = 0
         self.last_access = 0
 
@@ -115,7 +118,7 @@ class RadixTree:
         taken: list[int] = []
         for n in self.path(node) if self.num_host_blocks else ():  # (the host-only part, at its end)
             if n.blocks is None:
-                n.blocks = blocks[n.start // bs : n.end // bs]
+                n.blocks, n.copied = blocks[n.start // bs : n.end // bs], False
                 self.num_blocks += len(n.blocks)
                 taken += n.blocks
                 self.offer(n)
@@ -133,7 +136,7 @@ class RadixTree:
         ending in it (in each tier), copies lock_ref and last access; node keeps the tail."""
         keep = (node.start + offset) // self.block_size - node.start // self.block_size
         head = RadixNode(node.parent, node.tokens[:offset], node.start, _head(node.blocks, keep))
-        head.host = _head(node.host, keep)
+        head.host, head.copied = _head(node.host, keep), node.copied
         head.lock_ref, head.last_access = node.lock_ref, node.last_access
         node.parent.children[node.tokens[0]] = head
         node.tokens, node.start = node.tokens[offset:], node.start + offset
@@ -204,14 +207,14 @@ class RadixTree:
     def set_host(self, node: RadixNode, host: list[int]) -> None:
         """node's blocks are (being) copied to these host blocks."""
         assert node.host is None and len(host) == len(node.blocks)
-        node.host = host
+        node.host, node.copied = host, True
         self.num_host_blocks += len(host)
         self.offer(node)
 
     def set_gpu(self, node: RadixNode, blocks: list[int]) -> None:
         """node's host blocks are (being) copied to these GPU blocks (its parent is on the GPU)."""
         assert node.blocks is None and len(blocks) == len(node.host) and node.parent.blocks is not None
-        node.blocks = blocks
+        node.blocks, node.copied = blocks, True
         self.num_blocks += len(blocks)
         self.offer(node)
 

@@ -190,8 +190,8 @@ class Executor:
         """Forget finished requests' sampling state (rank 0's: it samples)."""
         self.driver.model_runner.free_requests(request_ids)
 
-    def check_host_copies(self, pairs: list[tuple[int, int]]) -> None:
-        self.driver.model_runner.check_host_copies(pairs)
+    def check_host_copies(self, copied: list[tuple[int, int]], recomputed: list[tuple[int, int]]) -> None:
+        self.driver.model_runner.check_host_copies(copied, recomputed)
 
     def shutdown(self) -> None:
         self._stop()
