@@ -96,7 +96,7 @@ def test_penalties_build_their_tensors_once_while_the_same_requests_sample(engin
     ]
     batch = step_launcher.sampling_batch
     with monkeypatch.context() as m:  # (no batch continues another: the lists serve every step)
-        m.setattr(step_launcher, "sampling_batch", lambda *a, continues=False, **k: batch(*a, **k))
+        m.setattr(step_launcher, "sampling_batch", lambda *a, before=None, **k: batch(*a, **k))
         expected = _run(llm, prompts, params)
     padded = []
     pad = sampler._pad

@@ -78,24 +78,32 @@ def _reads_output(req: Request) -> bool:
 
 
 def sampling_batch(
-    reqs: list[Request], finished_ids: list[str], bitmask=None, num_pending: int = 0, continues: bool = False
+    reqs: list[Request],
+    finished_ids: list[str],
+    bitmask=None,
+    num_pending: int = 0,
+    before: SamplingBatch | None = None,
 ) -> SamplingBatch:
     """The sampling rows of the requests that sample, as plain data, with their grammars' bitmask
     (BitmaskFiller; None: none, or filled later: deferred). The first num_pending rows decode a
     token still in flight (a step launched ahead): it is counted in their outputs' lengths (a
     min_tokens ban), and the model runner appends it to their outputs (the penalties).
-    continues: the same requests sampled in the batch before (SamplingBatch.continues)."""
+    before: the batch before, when the same requests sampled in it (SamplingBatch.continues; its
+    prompts serve again, not sliced from the requests again)."""
     penalties = any(r.params.has_penalties for r in reqs)
+    prompts = None
+    if penalties:
+        prompts = before.prompt_ids if before is not None else [r.prompt_token_ids for r in reqs]
     return SamplingBatch(
         [r.request_id for r in reqs],
         [r.params for r in reqs],
         [r.seed for r in reqs],
         [r.num_output_tokens + (i < num_pending) for i, r in enumerate(reqs)],
-        [r.prompt_token_ids for r in reqs] if penalties else None,
+        prompts,
         [r.output_token_ids for r in reqs] if penalties else None,
         finished_ids,
         bitmask,
-        continues,
+        before is not None,
     )
 
 
@@ -222,7 +230,7 @@ class StepLauncher:
         same = not finished and last is not None and len(last[0]) == len(reqs) and all(map(operator.is_, last[0], reqs))
         if same and bitmask is None and last[2]:
             return last[1]
-        batch = sampling_batch(reqs, finished, bitmask, num_pending, continues=same)
+        batch = sampling_batch(reqs, finished, bitmask, num_pending, before=last[1] if same else None)
         # (a batch is sent once with the ids of the requests finished before it)
         static = not finished and bitmask is None and not any(map(_reads_output, reqs))
         self._last_sampling = (reqs, batch, static)
