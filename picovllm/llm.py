@@ -101,8 +101,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError("each message must be a dict with 'role' and 'content'")
+            # (an assistant's turn of tool calls may leave its content out, as OpenAI's clients do)
+            if not conv or not all(
+                isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls")) for m in conv
+            ):
+                raise ValueError("each message must be a dict with 'role' and 'content' (or 'tool_calls')")
             text = tokenizer.apply_chat_template(
                 conv,
                 tools=tools,

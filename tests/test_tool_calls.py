@@ -280,3 +280,25 @@ def test_llm_chat_passes_the_tools_to_the_template(tiny_qwen):
     msgs = [{"role": "user", "content": "Hi"}]
     out = llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template, tools=[WEATHER, TIME])
     assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == "[get_weather][get_time]Hi"
+
+
+def test_llm_chat_takes_an_assistant_turn_of_tool_calls_without_content(tiny_qwen):
+    """As the server does (OpenAI's clients leave content out of an assistant's tool-call turn):
+    the same prompt as with content None."""
+    from picovllm import SamplingParams
+
+    llm = LLM(**engine_args(tiny_qwen[0]))
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    turns = [
+        [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", **content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+        ]
+        for content in ({}, {"content": None})
+    ]
+    outs = llm.chat(turns, SamplingParams(max_tokens=1), use_tqdm=False, tools=[TIME])
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
+    assert "12:00" in llm.get_tokenizer().decode(outs[0].prompt_token_ids)
+    with pytest.raises(ValueError, match="content"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
