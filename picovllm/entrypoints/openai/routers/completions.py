@@ -125,16 +125,15 @@ async def _stream(streams, req: CompletionRequest, n: int, rid: str, created: in
             prompt_out = prompt_out or out
             for c in new_completions(out, done):
                 echoed = _echoed(out, state) if req.echo and c.index not in sent else ""
+                start = sent.setdefault(c.index, 0)
                 text = echoed + c.text
                 completion_tokens += len(c.token_ids)
                 index = i * n + c.index
                 logprobs = None
-                if req.logprobs is not None:  # (offsets go on from the tokens sent, as the whole answer's)
-                    logprobs = _logprobs(c, prompt_out, state, sent.get(c.index, 0), echoed)
-                    ends = [o + len(t or "") for o, t in zip(logprobs["text_offset"], logprobs["tokens"])]
-                    sent[c.index] = ends[-1] if ends else sent.get(c.index, 0) + len(echoed)
-                else:
-                    sent[c.index] = 0
+                if req.logprobs is not None:  # (offsets go on where the tokens sent end, as the whole answer's)
+                    logprobs = _logprobs(c, prompt_out, state, start, echoed)
+                    offsets, tokens = logprobs["text_offset"], logprobs["tokens"]
+                    sent[c.index] = offsets[-1] + len(tokens[-1] or "") if tokens else start + len(echoed)
                 if logprobs is None and c.finish_reason is None:
                     yield templates.event(index, text)
                 else:
