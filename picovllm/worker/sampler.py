@@ -203,7 +203,8 @@ def apply_top_k_top_p(
         return logits
     vocab_size = logits.shape[1]
     width = min(max_top_k or vocab_size, vocab_size) if top_k is not None else vocab_size
-    values = logits.topk(width, dim=-1).values  # (descending)
+    # (descending; torch.topk of a whole row is slower than its sort)
+    values = logits.topk(width, dim=-1).values if width < vocab_size else logits.sort(dim=-1, descending=True).values
     kth = values.gather(1, top_k.clamp(1, width)[:, None] - 1) if top_k is not None else None
     if top_p is None:
         return logits.masked_fill(logits < kth, _NEG_INF)
