@@ -111,11 +111,15 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
     while engine.has_unfinished_requests():  # logits of the prefill and of each decode step
         batch = engine.scheduler.schedule()
         ours.append(engine.executor.driver.model_runner.step_logits(step_inputs(batch)).float())
-        seqs += [list(r.token_ids) for r in batch.requests]
+        # (the rows that sample: a prompt chunk short of its prompt's end, under the step budget, does not)
+        sampling = [
+            r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == len(r.token_ids)
+        ]
+        seqs += [list(r.token_ids) for r in sampling]
         sampled = SamplerOutput(ours[-1].argmax(dim=-1), None, None, None, None)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        engine.output_processor.process(batch.requests, sampled.sampled.tolist(), sampled, [None] * len(batch.requests))
+        engine.output_processor.process(sampling, sampled.sampled.tolist(), sampled, [None] * len(sampling))
     ours = torch.cat(ours)
     from transformers import AutoModelForCausalLM
 
