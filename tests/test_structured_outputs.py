@@ -185,6 +185,27 @@ def test_a_complete_grammar_ends_its_request_before_min_tokens(tiny_qwen, llm, a
     assert outs[2].outputs[0].token_ids[0] != stop and len(outs[2].outputs[0].token_ids) >= 2
 
 
+def test_allowed_token_ids_that_leave_the_grammar_nothing_end_the_request_alone(llm, caplog):
+    """allowed_token_ids disjoint from what the grammar allows: every logit of the row is -inf;
+    the request ends "abort" at its first token (logged), the other requests of the batch are
+    served as alone."""
+    tok = llm.get_tokenizer()
+    digits = sorted({t for d in "0123456789" for t in tok.encode(d, add_special_tokens=False)})
+    stuck = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        allowed_token_ids=digits,
+        structured_outputs=StructuredOutputsParams(regex="[a-z]+"),
+    )
+    other = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], other, use_tqdm=False)[0].outputs[0]
+    with caplog.at_level("ERROR", logger="picovllm"):
+        outs = llm.generate(PROMPTS[:2], [stuck, other], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort" and len(outs[0].outputs[0].token_ids) <= 1
+    assert "its grammar refuses token" in caplog.text
+    assert outs[1].outputs[0].token_ids == alone.token_ids and outs[1].outputs[0].finish_reason == "length"
+
+
 def test_a_request_waits_for_its_grammar_without_holding_the_others(llm, monkeypatch):
     engine = llm.llm_engine
     release, compile_ = threading.Event(), engine.structured.compile
