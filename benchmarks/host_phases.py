@@ -19,6 +19,7 @@ from collections import defaultdict
 import xgrammar
 
 import picovllm.bench.structured as bench
+import picovllm.engine.core_output_processor as core_output_processor
 import picovllm.engine.llm_engine as llm_engine
 import picovllm.engine.output_processor as output_processor
 import picovllm.engine.scheduler as scheduler
@@ -55,6 +56,7 @@ PHASES = [  # (owner, attribute): the attribute is replaced by a timed wrapper
     (structured_output.BitmaskFiller, "_fill"),
     (step_launcher.StepLauncher, "sample_deferred"),
     (executor.Executor, "sample_deferred"),
+    (core_output_processor.CoreOutputProcessor, "process"),
     (output_processor.OutputProcessor, "process"),
 ]
 

@@ -3,7 +3,7 @@ process (entrypoints/openai/async_engine.py), and between the engine and the ten
 ranks (executor/, worker/). Each message is dispatched by its type; its fields are its
 documentation.
 
-    server -> engine          AddRequest, AbortRequest, StopEngine
+    server -> engine          AddRequest, AbortRequest, FinishRequest (a stop string), StopEngine
     engine -> server          EngineReady; EngineCoreOutputs (a step's outputs, the engine's
                               metrics); RequestsFailed (a step that raised); EngineDead
     engine -> every rank      ExecuteStep (StepInputs), AllocateKVCache, CaptureGraphs,
@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from picovllm.kv_transfer_params import KVTransferParams
-from picovllm.outputs import CompletionOutput, RequestOutput
 from picovllm.sampling_params import SamplingParams
 
 # ---- the server and the engine's process -------------------------------------------------------
@@ -47,11 +46,19 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class FinishRequest:
+    """Completions that the server has finished (a stop string in their text: OutputProcessor),
+    by (request id, index): the engine stops computing them."""
+
+    completions: list[tuple[str, int]]
+
+
+@dataclass(frozen=True)
 class StopEngine:
     pass
 
 
-EngineCommand = AddRequest | AbortRequest | StopEngine
+EngineCommand = AddRequest | AbortRequest | FinishRequest | StopEngine
 
 
 @dataclass(frozen=True)
@@ -70,53 +77,26 @@ class EngineReady:
 
 
 class CompletionDelta(NamedTuple):
-    """What a step added to one completion (CompletionOutput, without its index)."""
+    """What the engine added to one completion (of a request's n) since its last output: token
+    ids, their log-probabilities as numbers, and why it finished, if it did (EOS, a stop token,
+    max_tokens, its grammar; a stop string is found where the text is: OutputProcessor)."""
 
-    text: str
+    index: int
     token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list | None
+    logprobs: list[tuple] | None  # per token: (logprob, rank, top ids, top logprobs)
     finish_reason: str | None
-    stop_reason: int | str | None
+    stop_reason: int | None
 
 
 class EngineCoreOutput(NamedTuple):
-    """A request's DELTA output, without its prompt (the server has it)."""
+    """A request's completions that changed in a step, as the engine has them (no text)."""
 
     request_id: str
     completions: list[CompletionDelta]
-    finished: bool
+    finished: bool  # (all its completions)
     num_cached_tokens: int
-    kv_transfer_params: KVTransferParams | None
-    prompt_logprobs: list | None = None  # (in the first output that has them whole)
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> EngineCoreOutput:
-        completions = [
-            CompletionDelta(c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
-            for c in out.outputs
-        ]
-        return cls(
-            out.request_id,
-            completions,
-            out.finished,
-            out.num_cached_tokens,
-            out.kv_transfer_params,
-            out.prompt_logprobs,
-        )
-
-    def request_output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
-        outputs = [CompletionOutput(index, *c) for index, c in enumerate(self.completions)]
-        return RequestOutput(
-            self.request_id,
-            prompt,
-            prompt_token_ids,
-            outputs,
-            self.finished,
-            self.num_cached_tokens,
-            kv_transfer_params=self.kv_transfer_params,
-            prompt_logprobs=self.prompt_logprobs,
-        )
+    kv_transfer_params: KVTransferParams | None = None  # (a prefill instance's, once finished)
+    prompt_logprobs: list | None = None  # per prompt position, as logprobs' rows (None at 0); once, whole
 
 
 @dataclass(frozen=True)

@@ -359,7 +359,9 @@ def test_final_only_text_is_decoded_at_the_end_as_streaming_shows_it(tiny_qwen):
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
         for rid, (prompt, params) in requests.items():
             engine.add_request(rid, prompt, dataclasses.replace(params, output_kind=kind))
-        streams = {rid: [c.decode_stream is not None for c in g.children] for rid, g in engine.groups.items()}
+        streams = {
+            rid: [c.decode_stream is not None for c in g.children] for rid, g in engine.output_processor.groups.items()
+        }
         final = {}
         while engine.has_unfinished_requests():
             final.update({o.request_id: [(c.text, c.finish_reason) for c in o.outputs] for o in engine.step()})

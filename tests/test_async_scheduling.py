@@ -123,7 +123,7 @@ def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
     ]
     for i, p in enumerate(prompts + [[20, 21]]):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=10 if i < 3 else 40))
-    done, steps, dropped = {}, 0, engine.output_processor.num_dropped
+    done, steps, dropped = {}, 0, engine.core_outputs.num_dropped
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -133,7 +133,7 @@ def test_stops_and_aborts_while_a_step_is_in_flight(engines, monkeypatch):
             assert engine.launcher.inflight is not None  # a step is in flight: abort under it
             engine.abort_request("r3")
     assert [done[f"r{i}"] for i in range(3)] == expected and "r3" not in done
-    assert engine.output_processor.num_dropped > dropped  # requests did stop under a step launched ahead
+    assert engine.core_outputs.num_dropped > dropped  # requests did stop under a step launched ahead
     assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks
     assert fast.reset_prefix_cache() and engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
 

@@ -37,7 +37,7 @@ def test_a_long_prompt_is_chunked_and_mixed_with_decodes(tiny_qwen):
         steps.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
         _, launched = engine.launcher.launch(batch)  # the forward; the requests that sample and their tokens
         tokens = launched.out.sampled.sampled.tolist()
-        engine.output_processor.process(launched.reqs, tokens, launched.out.sampled, [None] * len(tokens))
+        engine.core_outputs.process(launched.reqs, tokens, launched.out.sampled, [None] * len(tokens))
         sampled_by.append([r.request_id for r in launched.reqs])
         engine.check_invariants()
     # 23 prompt tokens in chunks of 9, 9, 5 beside the short request's decodes, then a decode;

@@ -119,7 +119,7 @@ def test_bf16_logits_and_greedy(qwen_1p5b):
         sampled = SamplerOutput(ours[-1].argmax(dim=-1), None, None, None, None)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        engine.output_processor.process(sampling, sampled.sampled.tolist(), sampled, [None] * len(sampling))
+        engine.core_outputs.process(sampling, sampled.sampled.tolist(), sampled, [None] * len(sampling))
     ours = torch.cat(ours)
     from transformers import AutoModelForCausalLM
 

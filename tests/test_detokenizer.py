@@ -12,7 +12,7 @@ from tiny_models import CORPUS, SPECIAL, build_tokenizer
 
 from picovllm import RequestOutputKind, SamplingParams
 from picovllm.engine.detokenizer import Detokenizer
-from picovllm.engine.request import Request
+from picovllm.engine.output_processor import RequestState
 
 
 def _metaspace_tokenizer():
@@ -37,7 +37,7 @@ def tokenizer(tmp_path_factory, request):
 
 def _streamed(detok: Detokenizer, prompt: list[int], output: list[int], skip: bool) -> list[str]:
     """req.output_text after each token, then after the end-of-request flush."""
-    req = Request("r", "r", 0, None, prompt, SamplingParams(skip_special_tokens=skip), 0, None)
+    req = RequestState(0, SamplingParams(skip_special_tokens=skip), list(prompt), len(prompt))
     detok.start(req)
     texts = []
     for token in output:
@@ -53,7 +53,7 @@ def _decoded_at_the_end(detok: Detokenizer, prompt: list[int], output: list[int]
     string): nothing while it runs; all of it once it ends at its length (flush) or at its last
     token, a stop token left out of the text (stopped)."""
     params = SamplingParams(skip_special_tokens=skip, output_kind=RequestOutputKind.FINAL_ONLY)
-    req = Request("r", "r", 0, None, prompt, params, 0, None)
+    req = RequestState(0, params, list(prompt), len(prompt))
     detok.start(req)
     for token in output:
         req.token_ids.append(token)

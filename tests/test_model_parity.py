@@ -75,7 +75,7 @@ def _process(engine, batch, sampled):
     """What LLMEngine.step does after the forward (every request here samples)."""
     for req, n in zip(batch.requests, batch.num_new_tokens):
         req.num_computed_tokens += n
-    engine.output_processor.process(batch.requests, sampled.sampled.tolist(), sampled, [None] * len(batch.requests))
+    engine.core_outputs.process(batch.requests, sampled.sampled.tolist(), sampled, [None] * len(batch.requests))
 
 
 def _greedy(logits):

@@ -97,6 +97,41 @@ def test_streaming_equals_non_streaming_and_holds_back_stop_text(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_stops_the_engine_computing_the_request(server, client, stream):
+    """Stop strings are found where the text is decoded (the server's OutputProcessor, in its HTTP
+    process when the engine runs apart), and the engine is told to stop: it computes a few steps
+    past the stop, not the 200 tokens asked for, and frees the request's blocks."""
+    background = server[3]
+    free = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = free.choices[0].text
+    stop = text[6:9]
+    steps = background.get_metrics()["num_steps"]
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="Hello world",
+        max_tokens=200,
+        n=2,
+        temperature=0,
+        stop=[stop],
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [ch for c in resp for ch in c.choices] if stream else resp.choices
+    texts = ["".join(c.text for c in chunks if c.index == i) for i in range(2)]
+    assert texts == [text[: text.index(stop)]] * 2
+    assert sorted(c.finish_reason for c in chunks if c.finish_reason) == ["stop", "stop"]
+    deadline = time.time() + 10
+    while time.time() < deadline and background.get_metrics()["num_running"]:
+        time.sleep(0.02)
+    m = background.get_metrics()
+    assert m["num_running"] == m["num_waiting"] == 0
+    assert m["num_steps"] - steps < 24 + 24  # (the free run's 24 tokens at most, twice)
+    assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"]
+
+
 @pytest.mark.parametrize("extra", [{}, {"stop": ["a", " t"]}, {"echo": True}])
 def test_streamed_completion_logprobs_equal_the_whole_answers(client, extra):
     """Tokens, log-probabilities and text offsets, streamed or not, for a random model's output of
@@ -460,7 +495,7 @@ def test_disconnect_aborts_and_frees_blocks(server, monkeypatch):
         real_abort = engine.abort_request
 
         def recording_abort(rid):
-            aborted.append((rid, engine.groups[rid].children[0].num_output_tokens if rid in engine.groups else None))
+            aborted.append((rid, engine.groups[rid][0].num_output_tokens if rid in engine.groups else None))
             real_abort(rid)
 
         monkeypatch.setattr(engine, "abort_request", recording_abort)

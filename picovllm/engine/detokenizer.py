@@ -17,11 +17,15 @@ send only final text, so that what a client has seen is never taken back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from picovllm.engine.request import Request
 from picovllm.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from picovllm.engine.output_processor import RequestState
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for correct spacing
 
@@ -32,7 +36,7 @@ class Detokenizer:
         backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's Rust tokenizer
         self.backend = backend if isinstance(backend, Tokenizer) else None
 
-    def start(self, req: Request) -> None:
+    def start(self, req: RequestState) -> None:
         """req.read_offset: the tokens whose text is in req.output_text (or the prompt's);
         req.prefix_offset: a few tokens before it, decoded with what follows for spacing."""
         req.read_offset = req.num_prompt_tokens
@@ -43,7 +47,7 @@ class Detokenizer:
             if not req.text_at_end:
                 self._open_stream(req)
 
-    def _open_stream(self, req: Request) -> None:
+    def _open_stream(self, req: RequestState) -> None:
         """The stream, primed with the prompt's last tokens. A prompt of token ids may end inside a
         character: the stream then holds its bytes and would show them with the output's first
         text; that first text is taken from the windowed decoding instead (_stream), which leaves
@@ -55,7 +59,7 @@ class Detokenizer:
         req.num_streamed = req.read_offset
         req.stream_holds_prompt = req.read_offset > req.prefix_offset and piece is None
 
-    def step(self, req: Request) -> str | None:
+    def step(self, req: RequestState) -> str | None:
         """Append the text of the newest token(s) to req.output_text; return the stop string
         that matched (the text is then trimmed at it), else None. Nothing for a request decoded
         at its end (see stopped and flush)."""
@@ -70,14 +74,14 @@ class Detokenizer:
             return None
         return self._check_stop(req, old_len)
 
-    def stopped(self, req: Request) -> None:
+    def stopped(self, req: RequestState) -> None:
         """req ended at its last token (EOS, a stop token, its grammar), which is not part of its
         text: a request decoded at its end gets the text that streaming would have shown."""
         if req.text_at_end:
             self._open_stream(req)
             req.output_text = self._stream(req, len(req.token_ids) - 1)
 
-    def _stream(self, req: Request, end: int | None = None) -> str:
+    def _stream(self, req: RequestState, end: int | None = None) -> str:
         """The text of tokens num_streamed..end (None: all) that is complete."""
         ids, pieces = req.token_ids, []
         end = len(ids) if end is None else end
@@ -92,7 +96,7 @@ class Detokenizer:
         req.prefix_offset = max(req.read_offset - _PROMPT_CONTEXT, 0)  # (for flush)
         return "".join(pieces)
 
-    def _window(self, req: Request, final: bool = False) -> str:
+    def _window(self, req: RequestState, final: bool = False) -> str:
         """The text of the tokens past read_offset, decoded after the few before it (spacing);
         nothing while it ends in an incomplete character, unless final."""
         text = self._window_text(req, len(req.token_ids), final)
@@ -100,7 +104,7 @@ class Detokenizer:
             req.prefix_offset, req.read_offset = req.read_offset, len(req.token_ids)
         return text
 
-    def _window_text(self, req: Request, end: int, final: bool) -> str:
+    def _window_text(self, req: RequestState, end: int, final: bool) -> str:
         """The text of tokens read_offset..end, as _window decodes it (offsets unchanged)."""
         skip = req.params.skip_special_tokens
         ids = req.token_ids
@@ -110,7 +114,7 @@ class Detokenizer:
             return ""
         return full[len(prefix) :]
 
-    def flush(self, req: Request) -> str | None:
+    def flush(self, req: RequestState) -> str | None:
         """At the end of a request, append text still held back (an incomplete character at the
         very end stays as U+FFFD, as decoding all the tokens gives); return a stop string hit. (A
         request decoded at its end gets all its text here, in one decode.)"""
@@ -122,7 +126,7 @@ class Detokenizer:
         return self._check_stop(req, old_len)
 
     @staticmethod
-    def final_text_len(req: Request) -> int:
+    def final_text_len(req: RequestState) -> int:
         """How much of req.output_text is final: all of it once req has finished; otherwise all
         but the longest tail that is the start of one of its stop strings (a later match can only
         begin there)."""
@@ -138,7 +142,7 @@ class Detokenizer:
         return len(text) - hold
 
     @staticmethod
-    def _check_stop(req: Request, old_len: int) -> str | None:
+    def _check_stop(req: RequestState, old_len: int) -> str | None:
         text = req.output_text
         # a stop string ending in the new text may have started before it; the earliest one wins
         hits = [

@@ -4,7 +4,11 @@ step = launcher.next_step()      # scheduler.schedule() -> the batch as messages
                                  # every rank's forward, rank 0 samples (step_launcher.py)
 step.out.wait()                  # rank 0's samples on the host
 ends = launcher.take_tokens(step.reqs, tokens)  # grammars take them; the next bitmask fills meanwhile
-outputs = output_processor.process(step.reqs, tokens, sampled, ends)  # append, detokenize, stop, free
+core = core_outputs.process(step.reqs, tokens, sampled, ends)  # append, stop (EOS, length...), free
+outputs, stopped = output_processor.process(core)  # text, stop strings, RequestOutputs
+
+The last line is the reader's: a server's engine process stops at `core` (step_core) and its
+HTTP process reads those (entrypoints/openai/async_engine.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from picovllm.config import (
     resolve_max_model_len,
 )
 from picovllm.engine.block_manager import BlockManager
+from picovllm.engine.core_output_processor import CoreOutputProcessor
 from picovllm.engine.input_processor import PromptType, eos_token_ids, load_tokenizer, process_prompt, tokenizer_source
 from picovllm.engine.kv_handoff import KVHandoff, kv_compat
 from picovllm.engine.output_processor import OutputProcessor
@@ -34,6 +39,7 @@ from picovllm.engine.step_launcher import StepLauncher
 from picovllm.engine.structured_output import StructuredOutputManager, check_structured_outputs
 from picovllm.executor.executor import Executor, WorkerError
 from picovllm.kv_transfer_params import KVTransferParams
+from picovllm.messages import EngineCoreOutput
 from picovllm.model_source import resolve_model, sampling_defaults
 from picovllm.outputs import RequestOutput
 from picovllm.sampling_params import SamplingParams
@@ -92,7 +98,8 @@ class LLMEngine:
             self.kv_handoff = KVHandoff(
                 config, self.executor.kv_transfer, self.scheduler, self.kv_block_bytes, self.kv_compat
             )
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.kv_handoff)
+        self.core_outputs = CoreOutputProcessor(self.eos_token_ids, self.scheduler, self.kv_handoff)
+        self.output_processor = OutputProcessor(self.tokenizer)  # (step's: a server reads step_core's outputs)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config, self.eos_token_ids, self.device)
         filler = self.structured.filler
         self.launcher = StepLauncher(self.scheduler, self.kv_handoff, self.executor, config.async_scheduling, filler)
@@ -142,9 +149,21 @@ class LLMEngine:
         kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         """Queue a request whose prompt went through process_prompt (LLM.generate validates a
-        whole batch first, then queues it, so that bad input queues nothing). kv_transfer_params:
-        disaggregated prefill (engine/kv_handoff.py); ValueError if this instance's role does not
-        take them."""
+        whole batch first, then queues it, so that bad input queues nothing), for step() to
+        report. kv_transfer_params: disaggregated prefill (engine/kv_handoff.py); ValueError if
+        this instance's role does not take them."""
+        self.add_core_request(request_id, text, ids, params, kv_transfer_params)
+        self.output_processor.add(request_id, text, ids, params)
+
+    def add_core_request(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: KVTransferParams | None = None,
+    ) -> None:
+        """add_validated_request's engine half: for step_core, whose outputs another reader reads."""
         if kv_transfer_params is not None:
             kv_transfer_params.check(self.config.kv_role, self.config.block_size, len(ids), params)
         children = []
@@ -168,7 +187,7 @@ class LLMEngine:
             children.append(req)
         if kv_transfer_params is not None and kv_transfer_params.pulls:
             self.kv_handoff.expect(children[0])
-        self.output_processor.add(request_id, text, ids, children)
+        self.core_outputs.add(request_id, children)
         if params.structured_outputs is not None:  # (they wait for their grammar: take_ready)
             self.structured.add(params.structured_outputs, children)
         else:
@@ -180,13 +199,26 @@ class LLMEngine:
         instance a finished request's held KV too (its decode instance will not pull it)."""
         ids = [request_id] if isinstance(request_id, str) else request_id
         for rid in ids:
-            group = self.groups.pop(rid, None)
-            for req in group.children if group else []:
+            self.output_processor.abort(rid)
+            group = self.groups.get(rid)
+            for req in group or []:
                 if self.kv_handoff is not None:
                     self.kv_handoff.abort(req)
-                self.scheduler.finish(req, "abort")
+            self.core_outputs.finish(rid, "abort")
             if group is None and self.kv_handoff is not None:
                 self.kv_handoff.end_lease(rid)
+
+    def finish_completions(self, completions: list[tuple[str, int]]) -> None:
+        """Stop computing completions whose reader found a stop string, (request id, index)."""
+        self.core_outputs.finish_completions(completions)
+        self._settle()
+
+    def _settle(self) -> None:
+        """With nothing left to run, nothing is left to read from a step launched ahead, and the
+        model runner drops what it kept of the finished requests (no next step to tell it)."""
+        if not self.groups:
+            self.launcher.reset()
+            self.executor.free_requests(self.scheduler.take_finished_ids())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -197,7 +229,15 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward; return the outputs of the requests that changed (for streaming).
+        """Run one forward; return the outputs of the requests that changed (for streaming): step_core,
+        read by this engine's OutputProcessor, the completions a stop string ended finished."""
+        outputs, stopped = self.output_processor.process(self.step_core())
+        if stopped:
+            self.finish_completions(stopped)
+        return outputs
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """Run one forward; return what changed in the requests (their new tokens, EngineCoreOutputs).
 
         A step that raises (other than a tensor-parallel worker gone: that is the engine's end)
         fails the requests that were running, which take_failed() then reports, and the engine
@@ -229,10 +269,8 @@ class LLMEngine:
 
     def _fail(self, request_id: str, message: str) -> None:
         """Finish a request's completions as failed (take_failed reports it); once per request."""
-        group = self.groups.pop(request_id, None)
-        if group is not None:
-            for child in group.children:
-                self.scheduler.finish(child, "abort")
+        self.output_processor.abort(request_id)
+        if self.core_outputs.finish(request_id, "abort"):
             self.failed.append((request_id, message))
 
     def take_failed(self) -> list[tuple[str, str]]:
@@ -240,7 +278,7 @@ class LLMEngine:
         failed, self.failed = self.failed, []
         return failed
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         if self.kv_handoff is not None:
             self.kv_handoff.tick()
@@ -260,11 +298,9 @@ class LLMEngine:
         synced = time.perf_counter()
         ends = self.launcher.take_tokens(step.reqs, tokens)
         if step.prompt_rows:
-            self.output_processor.add_prompt_logprobs(step.prompt_rows, sampled)
-        outputs = self.output_processor.process(step.reqs, tokens, sampled, ends)
-        if not self.groups:
-            self.launcher.reset()  # nothing left to read from a step launched ahead
-            self.executor.free_requests(self.scheduler.take_finished_ids())  # (no next step to say it)
+            self.core_outputs.add_prompt_logprobs(step.prompt_rows, sampled)
+        outputs = self.core_outputs.process(step.reqs, tokens, sampled, ends)
+        self._settle()
         if self.debug_invariants:
             self.check_invariants()
         self.host_time_s += (launched - start) + (time.perf_counter() - synced)
@@ -280,9 +316,9 @@ class LLMEngine:
             self._fail(request_id, why)
 
     @property
-    def groups(self) -> dict:
-        """The requests in flight, by user request (OutputProcessor.groups)."""
-        return self.output_processor.groups
+    def groups(self) -> dict[str, list[Request]]:
+        """The requests in flight, by user request: its completions (CoreOutputProcessor.groups)."""
+        return self.core_outputs.groups
 
     @property
     def kv_busy(self) -> bool:

@@ -1,159 +1,172 @@
-"""Output processing: a step's sampled tokens into RequestOutputs. Each request's tokens and
-logprobs appended, its stop checks (EOS, stop tokens, stop strings, max_tokens and the context
-limit), its incremental text (detokenizer.py), and the n completions of one user request as one
-output, in its output kind (DELTA: what each step added; CUMULATIVE; FINAL_ONLY). The engine
-hands it the requests that sampled and their tokens; a request that stops is finished in the
-scheduler here.
+"""Output processing, the reader's half: the engine's EngineCoreOutputs (token ids, their
+log-probabilities as numbers, the stops the engine sees: core_output_processor.py) into
+RequestOutputs: each completion's incremental text (detokenizer.py) and its stop strings, the
+log-probabilities with their tokens' text, and the n completions of one user request as one
+output, in its output kind (DELTA: what each step added; CUMULATIVE; FINAL_ONLY). It runs where
+the outputs are read, LLMEngine.step or a server's HTTP process (entrypoints/openai/
+async_engine.py), so that the engine's process does none of this work, as vLLM splits it. A stop
+string ends a completion here: process returns it, for the engine to stop computing it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from picovllm.engine.detokenizer import Detokenizer
-from picovllm.engine.kv_handoff import KVHandoff
-from picovllm.engine.request import Request
-from picovllm.engine.scheduler import Scheduler
 from picovllm.kv_transfer_params import KVTransferParams
-from picovllm.messages import SamplerOutput
+from picovllm.messages import CompletionDelta, EngineCoreOutput
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from picovllm.sampling_params import RequestOutputKind
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-def at_length_limit(req: Request, pending: int = 0) -> bool:
-    """Whether req has reached max_tokens or max_model_len, counting `pending` tokens that are
-    sampled but not yet appended."""
-    return len(req.token_ids) + pending >= req.max_num_tokens
+@dataclass(eq=False)
+class RequestState:
+    """One completion as its reader has it: its tokens, text (and the detokenizer's state for it),
+    logprobs, and why it finished."""
+
+    index: int  # which of the request's n completions
+    params: SamplingParams
+    token_ids: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    # detokenizer state (see detokenizer.py)
+    output_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    decode_stream: object = None  # a tokenizers DecodeStream, and the tokens it has seen
+    num_streamed: int = 0
+    stream_holds_prompt: bool = False  # its stream holds the prompt's last bytes (an incomplete character)
+    text_at_end: bool = False  # decoded once, when it ends (nothing reads its text before)
+    num_output_sent: int = 0  # RequestOutputKind.DELTA: output tokens (and logprobs) reported so far
+    text_sent: int = 0  # and characters of output_text
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestGroup:
     """The n completions of one user request."""
 
     prompt: str | None
     prompt_token_ids: list[int]
-    children: list[Request]
+    children: list[RequestState]
     arrival_time: float  # time.time(), as vLLM's RequestMetrics
     first_token_time: float | None = None
+    num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None  # a prefill instance's answer: where the KV is held
+    prompt_logprobs: list | None = None  # (once whole)
     prompt_logprobs_sent: bool = False  # (a DELTA stream's, sent with its first output)
+    kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE)
 
 
 class OutputProcessor:
-    """The requests in flight, by user request (their groups), until their last output; a request
-    that stops is finished in the scheduler (its blocks freed), a prefill instance's prompt KV
-    held first for its decode instance (kv_handoff)."""
+    """The requests being read, by user request (their groups), until their last output. A
+    server's adds and aborts may come from another thread than the one that processes (AsyncEngine):
+    a group is looked up once per output."""
 
-    def __init__(self, tokenizer, eos_token_ids: set[int], scheduler: Scheduler, kv_handoff: KVHandoff | None):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
-        self.eos_token_ids, self.scheduler, self.kv_handoff = eos_token_ids, scheduler, kv_handoff
         self.groups: dict[str, RequestGroup] = {}
-        self.num_dropped = 0  # tokens a step launched ahead computed for requests that had stopped
 
-    def add(self, request_id: str, text: str | None, ids: list[int], children: list[Request]) -> None:
-        if self.detokenizer is not None:
-            for req in children:
-                self.detokenizer.start(req)
-        self.groups[request_id] = RequestGroup(text, ids, children, time.time())
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        children = [RequestState(i, params, list(prompt_token_ids), len(prompt_token_ids)) for i in range(params.n)]
+        for st in children:
+            if params.logprobs is not None:
+                st.logprobs = []
+            if self.detokenizer is not None:
+                self.detokenizer.start(st)
+        self.groups[request_id] = RequestGroup(prompt, prompt_token_ids, children, time.time(), kind=params.output_kind)
 
-    def process(
-        self, reqs: list[Request], tokens: list[int], out: SamplerOutput | None, grammar_ends: list[str | None]
-    ) -> list[RequestOutput]:
-        """Append each sampling request's token (`tokens`: the step's samples, as a list); a step of
-        prompt chunks alone samples nothing. grammar_ends: the finish reason each row's grammar
-        gives it, once its matcher has taken the token (structured_output.accept_tokens)."""
-        if out is None:
-            return []
-        logprob_rows = None
-        if out.sampled_logprobs is not None:
-            logprob_rows = self._logprob_rows(out.sampled_logprobs, out.sampled_ranks, out.top_ids, out.top_logprobs)
-        changed: dict[str, None] = {}
+    def abort(self, request_id: str) -> None:
+        """Forget a request (aborted, or failed): its outputs from now on are dropped."""
+        self.groups.pop(request_id, None)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """A step's EngineCoreOutputs into RequestOutputs (those of requests still read), and the
+        completions a stop string has ended, as (request id, index): the engine is to finish them
+        (it may have computed a few tokens more by then, which are dropped here)."""
+        results, stopped = [], []
         now = time.time()
-        for i, (req, token) in enumerate(zip(reqs, tokens)):
-            if req.is_finished:  # stopped or aborted after this step was launched ahead
-                self.num_dropped += 1
+        for out in outputs:
+            group = self.groups.get(out.request_id)
+            if group is None:  # aborted meanwhile
                 continue
-            req.token_ids.append(token)
-            if req.logprobs is not None:
-                req.logprobs.append(self._logprob_dict(logprob_rows, i, token, req.params.logprobs))
-                req.cumulative_logprob += req.logprobs[-1][token].logprob
-            reason, stop_reason = grammar_ends[i], None
-            if reason is None:
-                reason, stop_reason = self._check_finished(req, token)
-            if reason is not None:
-                if reason != "length" and self.detokenizer is not None and req.params.detokenize:
-                    self.detokenizer.stopped(req)
-                req.stop_reason = stop_reason
-                if req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode:
-                    self.groups[req.parent_id].kv_transfer_params = self.kv_handoff.hold(req)
-                self.scheduler.finish(req, reason)
-            if req.num_output_tokens == 1 and (group := self.groups.get(req.parent_id)) is not None:
-                group.first_token_time = group.first_token_time or now
-            if req.params.output_kind is not RequestOutputKind.FINAL_ONLY or req.is_finished:
-                changed[req.parent_id] = None
-        outputs = []
-        for rid in changed:
-            group = self.groups.get(rid)
-            if group is not None and (
-                group.children[0].params.output_kind is not RequestOutputKind.FINAL_ONLY
-                or all(r.is_finished for r in group.children)
-            ):
-                outputs.append(self._output(rid))
-        return outputs
+            group.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                group.kv_transfer_params = out.kv_transfer_params
+            if out.prompt_logprobs is not None:
+                group.prompt_logprobs = [None] + [
+                    self._logprob_dict(row, token, group.children[0].params.prompt_logprobs)
+                    for row, token in zip(out.prompt_logprobs[1:], group.prompt_token_ids[1:])
+                ]
+            changed = False
+            for c in out.completions:
+                st = group.children[c.index]
+                if st.is_finished:  # (a stop string ended it: what the engine computed since is dropped)
+                    continue
+                changed = True
+                if self._append(st, c):
+                    stopped.append((out.request_id, c.index))
+            if not changed:
+                continue
+            group.first_token_time = group.first_token_time or now
+            if group.kind is not RequestOutputKind.FINAL_ONLY or all(st.is_finished for st in group.children):
+                results.append(self._output(out.request_id, group))
+        return results, stopped
 
-    def _check_finished(self, req: Request, token: int) -> tuple[str | None, int | str | None]:
-        p = req.params
-        past_min = req.num_output_tokens >= p.min_tokens
-        if past_min and not p.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if past_min and token in p.stop_token_ids:
-            return "stop", token
-        detokenize = self.detokenizer is not None and p.detokenize
-        if detokenize and (stop := self.detokenizer.step(req)) is not None:
-            return "stop", stop
-        if at_length_limit(req):
-            if detokenize and (stop := self.detokenizer.flush(req)) is not None:
-                return "stop", stop
-            return "length", None
-        return None, None
+    def _append(self, st: RequestState, c: CompletionDelta) -> bool:
+        """Take a completion's new tokens; True if a stop string ends it here (the engine had not)."""
+        st.token_ids += c.token_ids
+        if st.logprobs is not None:
+            for token, row in zip(c.token_ids, c.logprobs):
+                st.logprobs.append(self._logprob_dict(row, token, st.params.logprobs))
+                st.cumulative_logprob += st.logprobs[-1][token].logprob
+        reason, stop_reason = c.finish_reason, c.stop_reason
+        ends_here = False
+        if self.detokenizer is not None and st.params.detokenize:
+            if reason is None or reason == "length":
+                stop = self.detokenizer.step(st)
+                if stop is None and reason == "length":
+                    stop = self.detokenizer.flush(st)
+                if stop is not None:
+                    ends_here = reason is None
+                    reason, stop_reason = "stop", stop
+            else:  # (ended at its last token: EOS, a stop token, its grammar; not part of its text)
+                self.detokenizer.stopped(st)
+        st.finish_reason, st.stop_reason = reason, stop_reason
+        return ends_here
 
-    def add_prompt_logprobs(self, prompt_rows: list[tuple[Request, int, int]], out: SamplerOutput) -> None:
-        """A step's prompt log-probabilities (StepLauncher's LaunchedStep.prompt_rows, in the order of
-        out's prompt_* rows): token p of the step's first count of a request predicts prompt token
-        p + 1. Positions a request already has (computed again after a preemption) are kept."""
-        rows = self._logprob_rows(out.prompt_logprobs, out.prompt_ranks, out.prompt_top_ids, out.prompt_top_logprobs)
-        i = 0
-        for req, start, count in prompt_rows:
-            for p in range(start + 1, start + 1 + count):
-                if p == len(req.prompt_logprobs):
-                    req.prompt_logprobs.append(
-                        self._logprob_dict(rows, i, req.token_ids[p], req.params.prompt_logprobs)
-                    )
-                i += 1
-
-    @staticmethod
-    def _logprob_rows(chosen, ranks, top_ids, top_logprobs) -> dict[str, list]:
-        """A step's logprob tensors (sampled or prompt tokens', SamplerOutput's) as lists."""
-        rows = {"chosen": chosen.tolist(), "rank": ranks.tolist()}
-        if top_ids is not None:
-            rows["top_ids"], rows["top_logprobs"] = top_ids.tolist(), top_logprobs.tolist()
-        return rows
-
-    def _logprob_dict(self, rows: dict[str, list], i: int, token: int, k: int) -> dict[int, Logprob]:
-        top = zip(rows["top_ids"][i][:k], rows["top_logprobs"][i][:k]) if "top_ids" in rows else ()
-        entries = {tid: Logprob(lp, rank, self._decode_token(tid)) for rank, (tid, lp) in enumerate(top, start=1)}
-        entries[token] = Logprob(rows["chosen"][i], rows["rank"][i], self._decode_token(token))
+    def _logprob_dict(self, row: tuple, token: int, k: int) -> dict[int, Logprob]:
+        """A logprobs row (logprob, rank, top ids, top logprobs: core_output_processor.py) of `token`."""
+        chosen, rank, top_ids, top_logprobs = row
+        entries = {
+            tid: Logprob(lp, r, self._decode_token(tid))
+            for r, (tid, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]), start=1)
+        }
+        entries[token] = Logprob(chosen, rank, self._decode_token(token))
         return entries
 
     def _decode_token(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
-    def _output(self, request_id: str) -> RequestOutput:
-        group = self.groups[request_id]
+    def _output(self, request_id: str, group: RequestGroup) -> RequestOutput:
         finished = all(r.is_finished for r in group.children)
-        delta = group.children[0].params.output_kind is RequestOutputKind.DELTA
+        delta = group.kind is RequestOutputKind.DELTA
         outputs = []
         for r in group.children:
             tokens, text, logprobs = self._take_delta(r) if delta else (r.output_token_ids, r.output_text, r.logprobs)
@@ -169,12 +182,10 @@ class OutputProcessor:
                 )
             )
         if finished:
-            del self.groups[request_id]
-        first = group.children[0]
+            self.groups.pop(request_id, None)  # (an abort may have taken it: AsyncEngine's thread)
         prompt_logprobs = None  # (once whole; a DELTA stream has them in one output)
-        if first.prompt_logprobs is not None and not first.needs_prompt_logprobs and not group.prompt_logprobs_sent:
-            prompt_logprobs, group.prompt_logprobs_sent = first.prompt_logprobs, delta
-        num_cached = first.num_prompt_cached_tokens or 0
+        if group.prompt_logprobs is not None and not group.prompt_logprobs_sent:
+            prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, delta
         metrics = {"arrival_time": group.arrival_time}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
@@ -186,14 +197,14 @@ class OutputProcessor:
             group.prompt_token_ids,
             outputs,
             finished,
-            num_cached,
+            group.num_cached_tokens,
             metrics,
             group.kv_transfer_params if finished else None,
             prompt_logprobs,
         )
 
     @staticmethod
-    def _take_delta(r: Request) -> tuple[list[int], str, list | None]:
+    def _take_delta(r: RequestState) -> tuple[list[int], str, list | None]:
         """The tokens, text and logprobs r generated since its last output (RequestOutputKind.DELTA),
         marked as sent. Only final text is sent (Detokenizer.final_text_len)."""
         tokens = r.token_ids[r.num_prompt_tokens + r.num_output_sent :]

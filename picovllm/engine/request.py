@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 
 from picovllm.kv_transfer_params import KVTransferParams
-from picovllm.outputs import Logprob
 from picovllm.sampling_params import SamplingParams
 
 
@@ -63,21 +62,13 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.grammar = None  # its structured outputs' xgrammar matcher (engine/structured_output.py)
         self.after: Request | None = None  # admitted once this sibling is past its pull (n > 1)
-        # detokenizer state (see detokenizer.py)
-        self.output_text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.decode_stream = None  # a tokenizers DecodeStream, and the tokens it has seen
-        self.num_streamed = 0
-        self.stream_holds_prompt = False  # its stream holds the prompt's last bytes (an incomplete character)
-        self.text_at_end = False  # decoded once, when it ends (nothing reads its text before)
-        self.num_output_sent = 0  # RequestOutputKind.DELTA: output tokens (and logprobs) reported so far
-        self.text_sent = 0  # and characters of output_text
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        # its prompt's (the first completion's alone): position -> the prompt token's logprobs given
-        # the ones before; None at 0 (SamplingParams.prompt_logprobs)
+        self.num_output_sent = 0  # output tokens (and logprobs) in an EngineCoreOutput so far
+        # per output token: (logprob, rank, top ids, top logprobs) (SamplingParams.logprobs)
+        self.logprobs: list[tuple] | None = [] if params.logprobs is not None else None
+        # its prompt's (the first completion's alone), as logprobs' rows: position p's, of prompt
+        # token p given the ones before; None at 0 (SamplingParams.prompt_logprobs)
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
-        self.cumulative_logprob = 0.0
+        self.prompt_logprobs_sent = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 

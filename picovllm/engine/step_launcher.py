@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from picovllm.engine.core_output_processor import at_length_limit
 from picovllm.engine.kv_handoff import KVHandoff
-from picovllm.engine.output_processor import at_length_limit
 from picovllm.engine.request import Request
 from picovllm.engine.scheduler import ScheduledBatch, Scheduler
 from picovllm.engine.structured_output import BitmaskFiller, accept_tokens

@@ -5,6 +5,11 @@ turns on one GIL. Both run the same command loop (engine_loop). An engine proces
 HTTP process or several (`--api-server-count`, as vLLM's): each talks to it through a pair of
 pipes of its own (EngineClient), and gets the outputs of the requests it sent.
 
+The engine sends what changed in its requests as token ids (EngineCoreOutputs); each side that
+reads them has its own OutputProcessor (engine/output_processor.py), which decodes the text,
+finds stop strings (the engine is told to stop such a request: FinishRequest) and builds the
+RequestOutputs: in an HTTP process, off the engine's process, as vLLM's front end does.
+
 Both validate prompts off the event loop, take requests and aborts from HTTP handlers, deliver
 each request's RequestOutputs (in its params' output kind; the server asks for DELTA) on an asyncio
 queue (loop.call_soon_threadsafe, once per step for all the streams of a loop), abort a request
@@ -27,6 +32,7 @@ from collections.abc import Callable
 
 from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
 from picovllm.engine.llm_engine import LLMEngine
+from picovllm.engine.output_processor import OutputProcessor
 from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.logger import configure_logging
 from picovllm.messages import (
@@ -37,6 +43,7 @@ from picovllm.messages import (
     EngineCoreOutputs,
     EngineDead,
     EngineReady,
+    FinishRequest,
     RequestsFailed,
     StopEngine,
 )
@@ -123,10 +130,11 @@ KV_POLL_FIRST_S = 0.0002  # the first such waits (a pull may land any moment): 5
 def engine_loop(
     engine: LLMEngine,
     next_command: Callable[[float | None], EngineCommand | None],
-    publish: Callable[[list[RequestOutput]], None],
+    publish: Callable[[list[EngineCoreOutput]], None],
     fail: Callable[[list[tuple[str, str]]], None],
 ) -> None:
-    """Apply commands and step while anything is unfinished, publishing each step's outputs.
+    """Apply commands and step while anything is unfinished, publishing each step's outputs (the
+    engine's, EngineCoreOutputs: the server reads them with an OutputProcessor of its own).
     next_command(timeout) returns the next command, or None when none came within timeout
     seconds (None: wait for one). The loop waits for commands only while no step can run: for
     ever when the engine is idle; when it has transfers to watch or requests that wait on them
@@ -148,13 +156,15 @@ def engine_loop(
                 case StopEngine():
                     return
                 case AddRequest(rid, text, ids, params, kv):
-                    engine.add_validated_request(rid, text, ids, params, kv)
+                    engine.add_core_request(rid, text, ids, params, kv)
                 case AbortRequest(rid):
                     engine.abort_request(rid)
+                case FinishRequest(completions):
+                    engine.finish_completions(completions)
             wait, polls = 0, 0
         if engine.has_unfinished_requests() or engine.kv_busy:
             steps = engine.num_steps
-            outputs = engine.step()
+            outputs = engine.step_core()
             if failed := engine.take_failed():  # (a step that raised: its requests, and why)
                 fail(failed)
             if outputs or engine.num_steps != steps:
@@ -186,6 +196,7 @@ class _Background:
         self.on_step = on_step  # called after each step with (self, outputs) (bench serve)
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
+        self.reader: OutputProcessor  # (the engine's outputs into RequestOutputs: set with the tokenizer)
 
     def _send(self, cmd: EngineCommand) -> None:
         raise NotImplementedError
@@ -223,11 +234,26 @@ class _Background:
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         stream = self._streams[request_id] = RequestStream(self, request_id)
-        self._send(AddRequest(request_id, text, ids, params, kv_transfer_params))
+        self.reader.add(request_id, text, ids, params)
+        try:
+            self._send(AddRequest(request_id, text, ids, params, kv_transfer_params))
+        except BaseException:
+            self.reader.abort(request_id)
+            self._streams.pop(request_id, None)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
+        self.reader.abort(request_id)
         self._send(AbortRequest(request_id))
+
+    def _read_step(self, outputs: list[EngineCoreOutput]) -> None:
+        """A step's outputs read (OutputProcessor) and delivered; the completions a stop string
+        ended are finished in the engine."""
+        results, stopped = self.reader.process(outputs)
+        if stopped:
+            self._send(FinishRequest(stopped))
+        self._deliver_step(results)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up of each loop per step
@@ -243,6 +269,7 @@ class _Background:
     def _fail_requests(self, failed: list[tuple[str, str]]) -> None:
         """Requests whose step failed (the engine goes on): their streams end with the error."""
         for request_id, why in failed:
+            self.reader.abort(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestFailedError(why))
@@ -265,6 +292,7 @@ class AsyncEngine(_Background):
         self.kv_role, self.block_size = engine.config.kv_role, engine.config.block_size
         self.kv_lease_s, self.kv_compat = engine.config.kv_lease_s, engine.kv_compat
         self.sampling_defaults = engine.sampling_defaults
+        self.reader = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="picovllm-engine", daemon=True)
         self._thread.start()
@@ -292,7 +320,7 @@ class AsyncEngine(_Background):
 
     def _run(self) -> None:
         try:
-            engine_loop(self.engine, self._next_command, self._deliver_step, self._fail_requests)
+            engine_loop(self.engine, self._next_command, self._read_step, self._fail_requests)
         except BaseException as e:
             self._fail(e)
             raise
@@ -333,6 +361,7 @@ def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
     client_of: dict[str, int] = {}  # a request's client (the pipe its outputs go up), until it finishes
     live = dict(enumerate(commands))  # the clients' command pipes still open
     pending: list[EngineCommand] = []  # (commands read and not yet returned)
+    finishing: list[FinishRequest] = []  # (since the last publish: requests they may have ended whole)
 
     def next_command(timeout: float | None) -> EngineCommand | None:
         if not pending:
@@ -350,6 +379,8 @@ def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
                     client_of[cmd.request_id] = i
                 elif isinstance(cmd, AbortRequest):
                     client_of.pop(cmd.request_id, None)
+                elif isinstance(cmd, FinishRequest):
+                    finishing.append(cmd)
                 pending.append(cmd)
         return pending.pop(0) if pending else None
 
@@ -364,12 +395,16 @@ def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
             del client_of[request_id]
             pending.append(AbortRequest(request_id))
 
-    def publish(outs: list[RequestOutput]) -> None:
+    def publish(outs: list[EngineCoreOutput]) -> None:
         by_client: list[list[EngineCoreOutput]] = [[] for _ in outputs]
         for o in outs:
             i = client_of.pop(o.request_id) if o.finished else client_of.get(o.request_id)
             if i is not None:  # (None: aborted)
-                by_client[i].append(EngineCoreOutput.of(o))
+                by_client[i].append(o)
+        for cmd in finishing:  # (a request whose last completions a stop string ended sends nothing more)
+            for request_id in {r for r, _ in cmd.completions} - engine.groups.keys():
+                client_of.pop(request_id, None)
+        finishing.clear()
         metrics = engine.get_metrics()
         running = [0] * len(outputs)
         for req in engine.scheduler.running:
@@ -427,9 +462,9 @@ class EngineClient(_Background):
         self.kv_role, self.block_size, self.kv_lease_s = ready.kv_role, ready.block_size, ready.kv_lease_s
         self.kv_compat, self.sampling_defaults = ready.kv_compat, ready.sampling_defaults
         self.tokenizer = load_tokenizer(ready.tokenizer) if ready.tokenizer else None
+        self.reader = OutputProcessor(self.tokenizer)
         self._metrics: dict[str, int] = ready.metrics
         self.num_running = 0  # (this client's requests in the running batch, as of the last step)
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # by request id, until it finishes
         self._lock = threading.Lock()  # sends come from the event loop and from shutdown
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop that reads the steps
@@ -459,12 +494,8 @@ class EngineClient(_Background):
                 loop.remove_reader(self._outputs.fileno())
 
     def _send(self, cmd: EngineCommand) -> None:
-        if isinstance(cmd, AddRequest):
+        if isinstance(cmd, (AddRequest, AbortRequest)):
             self.attach()
-            self._prompts[cmd.request_id] = (cmd.prompt, cmd.prompt_token_ids)
-        elif isinstance(cmd, AbortRequest):
-            self.attach()
-            self._prompts.pop(cmd.request_id, None)
         try:
             with self._lock:
                 self._commands.send(cmd)
@@ -493,10 +524,8 @@ class EngineClient(_Background):
                 match self._outputs.recv():
                     case EngineCoreOutputs(outs, metrics, num_running):
                         self._metrics, self.num_running = metrics, num_running
-                        self._deliver_step([out for o in outs if (out := self._output(o)) is not None])
+                        self._read_step(outs)
                     case RequestsFailed(failed):
-                        for request_id, _ in failed:
-                            self._prompts.pop(request_id, None)
                         self._fail_requests(failed)
                     case EngineDead(error):
                         raise error
@@ -507,13 +536,6 @@ class EngineClient(_Background):
         except BaseException as e:
             self._detach()
             self._fail(e)
-
-    def _output(self, out: EngineCoreOutput) -> RequestOutput | None:
-        prompts = self._prompts
-        prompt = prompts.pop(out.request_id, None) if out.finished else prompts.get(out.request_id)
-        if prompt is None:  # aborted meanwhile
-            return None
-        return out.request_output(*prompt)
 
 
 class EngineProcess(EngineClient):
