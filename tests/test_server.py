@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai")
 
 import picovllm  # noqa: E402
 from picovllm import LLM, SamplingParams  # noqa: E402
+from picovllm.engine.output_processor import OutputProcessor  # noqa: E402
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess  # noqa: E402
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
 
@@ -130,6 +131,46 @@ def test_a_stop_string_stops_the_engine_computing_the_request(server, client, st
     assert m["num_running"] == m["num_waiting"] == 0
     assert m["num_steps"] - steps < 24 + 24  # (the free run's 24 tokens at most, twice)
     assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"]
+
+
+def test_a_request_whose_output_cannot_be_read_fails_alone(server, monkeypatch):
+    """Reading a request's output raises (its text, say: injected for seed 4242) where the server
+    reads it: that request ends with an error (a stream's error event, a plain request's 500) and is
+    aborted in the engine; a request beside it is served in full; nothing is left running or held."""
+    url, _, llm, background = server
+    real_append = OutputProcessor._append
+
+    def append(self, st, c):
+        if st.params.seed == 4242:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real_append(self, st, c)
+
+    monkeypatch.setattr(OutputProcessor, "_append", append)
+    good = {"prompt": "Hello world", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    bad = {**good, "temperature": 1.0, "seed": 4242}
+    expected = llm.generate(
+        "Hello world", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            ok = asyncio.create_task(c.post("/v1/completions", json=good))
+            failed = await c.post("/v1/completions", json=bad)
+            async with c.stream("POST", "/v1/completions", json={**bad, "stream": True}) as r:
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            return await ok, failed, events
+
+    ok, failed, events = asyncio.run(scenario())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == expected[0].outputs[0].text
+    assert failed.status_code == 500 and "could not be read" in failed.json()["error"]["message"]
+    assert "could not be read" in events[-1] and '"error"' in events[-1]
+    deadline = time.time() + 10
+    while time.time() < deadline and background.get_metrics()["num_running"]:
+        time.sleep(0.02)
+    m = background.get_metrics()
+    assert m["num_running"] == m["num_waiting"] == 0
+    assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"]
+    assert not background.reader.groups
 
 
 @pytest.mark.parametrize("extra", [{}, {"stop": ["a", " t"]}, {"echo": True}])

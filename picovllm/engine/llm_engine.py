@@ -230,8 +230,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward; return the outputs of the requests that changed (for streaming): step_core,
-        read by this engine's OutputProcessor, the completions a stop string ended finished."""
+        read by this engine's OutputProcessor, the completions a stop string ended finished (and a
+        request whose output could not be read failed, as a step that raises fails its requests)."""
         outputs, stopped = self.output_processor.process(self.step_core())
+        for request_id, why in self.output_processor.take_failed():  # (take_failed reports it)
+            self.core_outputs.finish(request_id, "abort")
+            self.failed.append((request_id, why))
         if stopped:
             self.finish_completions(stopped)
         return outputs

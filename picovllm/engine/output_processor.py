@@ -10,6 +10,7 @@ string ends a completion here: process returns it, for the engine to stop comput
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from picovllm.kv_transfer_params import KVTransferParams
 from picovllm.messages import CompletionDelta, EngineCoreOutput
 from picovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from picovllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("picovllm")
 
 
 @dataclass(eq=False)
@@ -82,6 +85,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.groups: dict[str, RequestGroup] = {}
+        self.failed: list[tuple[str, str]] = []  # (request id, why): outputs that could not be read
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
         children = [RequestState(i, params, list(prompt_token_ids), len(prompt_token_ids)) for i in range(params.n)]
@@ -99,35 +103,58 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """A step's EngineCoreOutputs into RequestOutputs (those of requests still read), and the
         completions a stop string has ended, as (request id, index): the engine is to finish them
-        (it may have computed a few tokens more by then, which are dropped here)."""
+        (it may have computed a few tokens more by then, which are dropped here). A request whose
+        output raises here (its text, say) fails alone: take_failed reports it, for the caller to
+        abort it in the engine; the others are read."""
         results, stopped = [], []
         now = time.time()
         for out in outputs:
             group = self.groups.get(out.request_id)
             if group is None:  # aborted meanwhile
                 continue
-            group.num_cached_tokens = out.num_cached_tokens
-            if out.kv_transfer_params is not None:
-                group.kv_transfer_params = out.kv_transfer_params
-            if out.prompt_logprobs is not None:
-                group.prompt_logprobs = [None] + [
-                    self._logprob_dict(row, token, group.children[0].params.prompt_logprobs)
-                    for row, token in zip(out.prompt_logprobs[1:], group.prompt_token_ids[1:])
-                ]
-            changed = False
-            for c in out.completions:
-                st = group.children[c.index]
-                if st.is_finished:  # (a stop string ended it: what the engine computed since is dropped)
-                    continue
-                changed = True
-                if self._append(st, c):
-                    stopped.append((out.request_id, c.index))
-            if not changed:
+            try:
+                result = self._read(out, group, stopped, now)
+            except Exception as e:
+                logger.exception("request %s: its output could not be read: it fails", out.request_id)
+                self.groups.pop(out.request_id, None)
+                self.failed.append((out.request_id, f"its output could not be read: {type(e).__name__}: {e}"))
                 continue
-            group.first_token_time = group.first_token_time or now
-            if group.kind is not RequestOutputKind.FINAL_ONLY or all(st.is_finished for st in group.children):
-                results.append(self._output(out.request_id, group))
+            if result is not None:
+                results.append(result)
         return results, stopped
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests failed since the last call (see process)."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _read(
+        self, out: EngineCoreOutput, group: RequestGroup, stopped: list[tuple[str, int]], now: float
+    ) -> RequestOutput | None:
+        """One request's output: its completions' new tokens taken (a stop string's end added to
+        stopped); its RequestOutput, if its output kind has one now."""
+        group.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            group.kv_transfer_params = out.kv_transfer_params
+        if out.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] + [
+                self._logprob_dict(row, token, group.children[0].params.prompt_logprobs)
+                for row, token in zip(out.prompt_logprobs[1:], group.prompt_token_ids[1:])
+            ]
+        changed = False
+        for c in out.completions:
+            st = group.children[c.index]
+            if st.is_finished:  # (a stop string ended it: what the engine computed since is dropped)
+                continue
+            changed = True
+            if self._append(st, c):
+                stopped.append((out.request_id, c.index))
+        if not changed:
+            return None
+        group.first_token_time = group.first_token_time or now
+        if group.kind is not RequestOutputKind.FINAL_ONLY or all(st.is_finished for st in group.children):
+            return self._output(out.request_id, group)
+        return None
 
     def _append(self, st: RequestState, c: CompletionDelta) -> bool:
         """Take a completion's new tokens; True if a stop string ends it here (the engine had not)."""

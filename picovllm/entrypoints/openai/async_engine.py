@@ -249,8 +249,13 @@ class _Background:
 
     def _read_step(self, outputs: list[EngineCoreOutput]) -> None:
         """A step's outputs read (OutputProcessor) and delivered; the completions a stop string
-        ended are finished in the engine."""
+        ended are finished in the engine, a request whose output could not be read aborted there,
+        its stream ended with the error."""
         results, stopped = self.reader.process(outputs)
+        if failed := self.reader.take_failed():  # (its output could not be read: it alone fails)
+            for request_id, _ in failed:
+                self._send(AbortRequest(request_id))
+            self._fail_requests(failed)
         if stopped:
             self._send(FinishRequest(stopped))
         self._deliver_step(results)
