@@ -45,6 +45,23 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 from tiny_models import build_model  # noqa: E402
 
 
+@pytest.fixture
+def unreadable_seed(monkeypatch) -> int:
+    """A seed whose requests' outputs cannot be read: OutputProcessor raises UnicodeDecodeError
+    (injected) on them, as a tokenizer might."""
+    from picovllm.engine.output_processor import OutputProcessor
+
+    seed, real_append = 4242, OutputProcessor._append
+
+    def append(self, st, c):
+        if st.params.seed == seed:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real_append(self, st, c)
+
+    monkeypatch.setattr(OutputProcessor, "_append", append)
+    return seed
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory):
     """(path, HF model) of a tiny Qwen2: tied head, QKV bias, head_dim 16, 3 query heads per KV head."""

@@ -293,22 +293,12 @@ def test_engine_level_errors_leave_others_running(tiny_qwen):
     assert engine.reset_prefix_cache() and bm.num_free_blocks == bm.num_total_blocks
 
 
-def test_a_request_whose_output_cannot_be_read_fails_alone_offline(tiny_qwen, monkeypatch):
-    """LLMEngine.step reads its own outputs: one that raises there (injected for seed 4242) fails its
-    request (take_failed, its blocks freed); the request beside it runs to its end."""
-    from picovllm.engine.output_processor import OutputProcessor
-
-    real_append = OutputProcessor._append
-
-    def append(self, st, c):
-        if st.params.seed == 4242:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return real_append(self, st, c)
-
-    monkeypatch.setattr(OutputProcessor, "_append", append)
+def test_a_request_whose_output_cannot_be_read_fails_alone_offline(tiny_qwen, unreadable_seed):
+    """LLMEngine.step reads its own outputs: one that raises there (conftest's unreadable_seed) fails
+    its request (take_failed, its blocks freed); the request beside it runs to its end."""
     engine = LLMEngine.from_engine_args(model=tiny_qwen[0], dtype="float32", device="cpu", kv_cache_memory=16 << 20)
     engine.add_request("good", "Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.add_request("bad", "Hello", SamplingParams(seed=4242, max_tokens=8, ignore_eos=True))
+    engine.add_request("bad", "Hello", SamplingParams(seed=unreadable_seed, max_tokens=8, ignore_eos=True))
     outs, failed = [], []
     while engine.has_unfinished_requests():
         outs += engine.step()

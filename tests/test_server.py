@@ -14,7 +14,6 @@ openai = pytest.importorskip("openai")
 
 import picovllm  # noqa: E402
 from picovllm import LLM, SamplingParams  # noqa: E402
-from picovllm.engine.output_processor import OutputProcessor  # noqa: E402
 from picovllm.entrypoints.openai.async_engine import AsyncEngine, EngineProcess  # noqa: E402
 from picovllm.entrypoints.openai.server import build_app, serve_in_thread  # noqa: E402
 
@@ -133,21 +132,13 @@ def test_a_stop_string_stops_the_engine_computing_the_request(server, client, st
     assert m["kv_blocks_free"] + m["kv_blocks_cached"] == m["kv_blocks_total"]
 
 
-def test_a_request_whose_output_cannot_be_read_fails_alone(server, monkeypatch):
-    """Reading a request's output raises (its text, say: injected for seed 4242) where the server
-    reads it: that request ends with an error (a stream's error event, a plain request's 500) and is
-    aborted in the engine; a request beside it is served in full; nothing is left running or held."""
+def test_a_request_whose_output_cannot_be_read_fails_alone(server, unreadable_seed):
+    """Reading a request's output raises (conftest's unreadable_seed) where the server reads it:
+    that request ends with an error (a stream's error event, a plain request's 500) and is aborted
+    in the engine; a request beside it is served in full; nothing is left running or held."""
     url, _, llm, background = server
-    real_append = OutputProcessor._append
-
-    def append(self, st, c):
-        if st.params.seed == 4242:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return real_append(self, st, c)
-
-    monkeypatch.setattr(OutputProcessor, "_append", append)
     good = {"prompt": "Hello world", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    bad = {**good, "temperature": 1.0, "seed": 4242}
+    bad = {**good, "temperature": 1.0, "seed": unreadable_seed}
     expected = llm.generate(
         "Hello world", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False
     )
