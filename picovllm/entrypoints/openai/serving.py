@@ -207,7 +207,8 @@ def _prompt_error_param(message: str, prompt_param: str) -> str:
     return prompt_param
 
 
-def server_state(request: Request) -> ServerState:
+async def server_state(request: Request) -> ServerState:
+    """(async: FastAPI runs a plain function dependency on a worker thread, a hop per request)"""
     return request.app.state.server
 
 
