@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from picovllm.engine.detokenizer import Detokenizer
 from picovllm.kv_transfer_params import KVTransferParams
@@ -73,7 +73,7 @@ class RequestGroup:
     kv_transfer_params: KVTransferParams | None = None  # a prefill instance's answer: where the KV is held
     prompt_logprobs: list | None = None  # (once whole)
     prompt_logprobs_sent: bool = False  # (a DELTA stream's, sent with its first output)
-    kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE)
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 
 class OutputProcessor:
@@ -88,11 +88,13 @@ class OutputProcessor:
         self.failed: list[tuple[str, str]] = []  # (request id, why): outputs that could not be read
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        children = [RequestState(i, params, list(prompt_token_ids), len(prompt_token_ids)) for i in range(params.n)]
-        for st in children:
-            if params.logprobs is not None:
-                st.logprobs = []
-            if self.detokenizer is not None:
+        n_prompt, logprobs = len(prompt_token_ids), params.logprobs is not None
+        children = [
+            RequestState(i, params, list(prompt_token_ids), n_prompt, logprobs=[] if logprobs else None)
+            for i in range(params.n)
+        ]
+        if self.detokenizer is not None:
+            for st in children:
                 self.detokenizer.start(st)
         self.groups[request_id] = RequestGroup(prompt, prompt_token_ids, children, time.time(), kind=params.output_kind)
 
@@ -138,7 +140,7 @@ class OutputProcessor:
             group.kv_transfer_params = out.kv_transfer_params
         if out.prompt_logprobs is not None:
             group.prompt_logprobs = [None] + [
-                self._logprob_dict(row, token, group.children[0].params.prompt_logprobs)
+                self._logprob_dict(row, token)
                 for row, token in zip(out.prompt_logprobs[1:], group.prompt_token_ids[1:])
             ]
         changed = False
@@ -161,7 +163,7 @@ class OutputProcessor:
         st.token_ids += c.token_ids
         if st.logprobs is not None:
             for token, row in zip(c.token_ids, c.logprobs):
-                st.logprobs.append(self._logprob_dict(row, token, st.params.logprobs))
+                st.logprobs.append(self._logprob_dict(row, token))
                 st.cumulative_logprob += st.logprobs[-1][token].logprob
         reason, stop_reason = c.finish_reason, c.stop_reason
         ends_here = False
@@ -178,13 +180,12 @@ class OutputProcessor:
         st.finish_reason, st.stop_reason = reason, stop_reason
         return ends_here
 
-    def _logprob_dict(self, row: tuple, token: int, k: int) -> dict[int, Logprob]:
-        """A logprobs row (logprob, rank, top ids, top logprobs: core_output_processor.py) of `token`."""
+    def _logprob_dict(self, row: tuple, token: int) -> dict[int, Logprob]:
+        """A logprobs row (logprob, rank, the request's top k ids and logprobs: core_output_processor.py's
+        logprob_row) of `token`."""
         chosen, rank, top_ids, top_logprobs = row
-        entries = {
-            tid: Logprob(lp, r, self._decode_token(tid))
-            for r, (tid, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]), start=1)
-        }
+        top = enumerate(zip(top_ids, top_logprobs), start=1)
+        entries = {tid: Logprob(lp, r, self._decode_token(tid)) for r, (tid, lp) in top}
         entries[token] = Logprob(chosen, rank, self._decode_token(token))
         return entries
 

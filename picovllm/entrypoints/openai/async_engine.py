@@ -366,7 +366,7 @@ def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
     client_of: dict[str, int] = {}  # a request's client (the pipe its outputs go up), until it finishes
     live = dict(enumerate(commands))  # the clients' command pipes still open
     pending: list[EngineCommand] = []  # (commands read and not yet returned)
-    finishing: list[FinishRequest] = []  # (since the last publish: requests they may have ended whole)
+    finishing: set[str] = set()  # (requests a FinishRequest named since the last publish: ended whole?)
 
     def next_command(timeout: float | None) -> EngineCommand | None:
         if not pending:
@@ -385,7 +385,7 @@ def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
                 elif isinstance(cmd, AbortRequest):
                     client_of.pop(cmd.request_id, None)
                 elif isinstance(cmd, FinishRequest):
-                    finishing.append(cmd)
+                    finishing.update(request_id for request_id, _ in cmd.completions)
                 pending.append(cmd)
         return pending.pop(0) if pending else None
 
@@ -406,9 +406,8 @@ def _engine_main(engine_args: dict, commands: list, outputs: list) -> None:
             i = client_of.pop(o.request_id) if o.finished else client_of.get(o.request_id)
             if i is not None:  # (None: aborted)
                 by_client[i].append(o)
-        for cmd in finishing:  # (a request whose last completions a stop string ended sends nothing more)
-            for request_id in {r for r, _ in cmd.completions} - engine.groups.keys():
-                client_of.pop(request_id, None)
+        for request_id in finishing - engine.groups.keys():  # (its last completions ended: nothing more comes)
+            client_of.pop(request_id, None)
         finishing.clear()
         metrics = engine.get_metrics()
         running = [0] * len(outputs)
