@@ -48,3 +48,27 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = (
         None  # (SamplingParams.prompt_logprobs; a DELTA stream: in its first output)
     )
+
+    def add(self, later: RequestOutput, aggregate: bool) -> None:
+        """Take a later output of the same request into this one (vLLM's RequestOutput.add), so that
+        a reader that fell behind reads one output: with aggregate (DELTA outputs) each completion's
+        new text, tokens and logprobs are appended to its own; otherwise (CUMULATIVE) the later
+        completion replaces it."""
+        for c in later.outputs:
+            mine = next((i for i, o in enumerate(self.outputs) if o.index == c.index), None)
+            if mine is None:
+                self.outputs.append(c)
+            elif not aggregate:
+                self.outputs[mine] = c
+            else:
+                o = self.outputs[mine]
+                o.text += c.text
+                o.token_ids = [*o.token_ids, *c.token_ids]
+                if c.logprobs is not None:
+                    o.logprobs = [*(o.logprobs or []), *c.logprobs]
+                o.cumulative_logprob = c.cumulative_logprob
+                o.finish_reason, o.stop_reason = c.finish_reason, c.stop_reason
+        self.finished = later.finished
+        self.num_cached_tokens, self.metrics = later.num_cached_tokens, later.metrics
+        self.kv_transfer_params = later.kv_transfer_params or self.kv_transfer_params
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs

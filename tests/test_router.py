@@ -313,6 +313,7 @@ def test_sigterm_drains_the_router(pd):
     proc, url = start_cli_server("router", "--prefill", prefill, "--decode", decode)
     try:
         body = {"prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
         lines, started = [], threading.Event()
 
         def stream():
@@ -330,7 +331,8 @@ def test_sigterm_drains_the_router(pd):
             httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=5)
         reader.join(60)
         events = [line for line in lines if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and len(events) == 150 + 1  # every token, then the end
+        assert events[-1] == "data: [DONE]"  # every token (an event may carry several), then the end
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 150
         assert proc.wait(30) in (0, -signal.SIGTERM)  # (uvicorn ends by the signal it drained for)
         ups = [line.split(" ", 3)[3] for line in proc.stderr.read().splitlines() if line.endswith(" is up")]
         assert sorted(ups) == [f"the decode instance {decode} is up", f"the prefill instance {prefill} is up"]  # (once)

@@ -1,10 +1,11 @@
 """`picovllm bench serve`: drive the OpenAI-compatible server over HTTP with streaming clients.
 
 Concurrency-limited clients (and optionally Poisson arrivals at a request rate), spread over a few
-client processes, send random-token prompts to /v1/completions with stream=true and ignore_eos;
-every SSE chunk carries one step's token. Reports request and token throughput, TTFT, TPOT (per
-output token after the first) and ITL (between chunks): mean, p50, p90, p99; saves the raw
-per-request timings and a plot.
+client processes, send random-token prompts to /v1/completions with stream=true and ignore_eos; an SSE chunk carries
+the tokens of the steps since the stream's last chunk (one, unless the server fell behind), and
+the usage chunk the count (as vLLM's benchmark takes it). Reports request and token throughput,
+TTFT, TPOT (per output token after the first) and ITL (between chunks): mean, p50, p90, p99; saves
+the raw per-request timings and a plot.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _body(prompt: list[int], max_tokens: int, model: str) -> bytes:
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": True,
+            "stream_options": {"include_usage": True},
             "ignore_eos": True,
         }
     ).encode()
@@ -40,26 +42,29 @@ def _body(prompt: list[int], max_tokens: int, model: str) -> bytes:
 async def _one(session, url: str, headers: dict, body: bytes, prompt_len: int) -> dict:
     """One streaming request of a body serialised beforehand (not while other streams wait)."""
     start, start_wall = time.perf_counter(), time.time()
-    stamps = []
+    stamps, num_tokens = [], 0
     async with session.post(url + "/v1/completions", data=body, headers=headers) as resp:
         if resp.status != 200:
             return {"ok": False, "status": resp.status, "error": (await resp.text())[:200]}
         async for line in resp.content:  # (line by line)
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                json.loads(line[6:])
-                stamps.append(time.perf_counter())
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    stamps.append(time.perf_counter())
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
-    if not stamps:
+    if not stamps or not num_tokens:
         return {"ok": False, "status": 200, "error": "no tokens"}
     ttft = stamps[0] - start
     return {
         "ok": True,
         "start": start_wall,
         "prompt_len": prompt_len,
-        "output_len": len(stamps),
+        "output_len": num_tokens,
         "ttft": ttft,
         "e2e": end - start,
-        "tpot": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1),
+        "tpot": (stamps[-1] - stamps[0]) / max(num_tokens - 1, 1),
         "itl": np.diff(stamps).tolist(),
     }
 

@@ -48,19 +48,34 @@ from picovllm.messages import (
     StopEngine,
 )
 from picovllm.outputs import RequestOutput
-from picovllm.sampling_params import SamplingParams
+from picovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestStream:
     """A started request's outputs, iterated as the engine delivers them (async for). Whoever
     starts a request closes its stream (close(): aborts the request unless it has finished);
-    iterating to the end closes it too."""
+    iterating to the end closes it too. Outputs that arrive before the reader takes the one
+    waiting are merged into it (RequestOutput.add, as vLLM's RequestOutputCollector does): a reader
+    that falls behind (a busy HTTP process) sends one event for several steps instead of a burst
+    of them, and costs less the further behind it is."""
 
-    def __init__(self, engine: _Background, request_id: str):
+    def __init__(self, engine: _Background, request_id: str, aggregate: bool):
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._engine, self._finished = engine, False
+        self._output: RequestOutput | None = None  # (delivered, not yet read)
+        self._error: BaseException | None = None  # (raised once the output before it is read)
+        self._ready = asyncio.Event()
+        self._engine, self._aggregate, self._finished = engine, aggregate, False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """On the stream's loop: the engine's next output for it, or the error that ends it."""
+        if isinstance(item, BaseException):
+            self._error = self._error or item
+        elif self._output is None:
+            self._output = item
+        else:
+            self._output.add(item, self._aggregate)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -68,13 +83,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, RequestFailedError):
-            self._finish()  # (the engine has finished it)
-            raise item
-        if isinstance(item, BaseException):
-            self._finish()  # (the engine is gone: nothing to abort)
-            raise EngineDeadError(f"the engine has stopped: {item!r}")
+        while self._output is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item, self._output = self._output, None
+        if item is None:
+            item = self._error
+            self._finish()
+            if isinstance(item, RequestFailedError):
+                raise item  # (the engine has finished it)
+            raise EngineDeadError(f"the engine has stopped: {item!r}")  # (nothing left to abort)
         if item.finished:
             self._finish()
         return item
@@ -89,9 +107,9 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put(out)
 
 
 class EngineError(RuntimeError):
@@ -233,7 +251,8 @@ class _Background:
         (close it: see RequestStream)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        stream = self._streams[request_id] = RequestStream(self, request_id)
+        aggregate = params.output_kind is RequestOutputKind.DELTA
+        stream = self._streams[request_id] = RequestStream(self, request_id, aggregate)
         self.reader.add(request_id, text, ids, params)
         try:
             self._send(AddRequest(request_id, text, ids, params, kv_transfer_params))
@@ -265,7 +284,7 @@ class _Background:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
         if self.on_step is not None:
@@ -277,13 +296,13 @@ class _Background:
             self.reader.abort(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestFailedError(why))
+                stream.loop.call_soon_threadsafe(stream.put, RequestFailedError(why))
 
     def _fail(self, error: BaseException) -> None:
         """The engine is broken: fail every waiting stream, loudly."""
         self.error = error
         for stream in list(self._streams.values()):
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            stream.loop.call_soon_threadsafe(stream.put, error)
 
 
 class AsyncEngine(_Background):
