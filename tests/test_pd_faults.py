@@ -175,15 +175,17 @@ def test_a_frozen_prefill_instance_costs_a_pull_timeout_and_blocks_nothing_else(
     try:
         kv = _prefilled(prefill, PROMPTS[1])
         assert _cpu_share(prefill_engine.pid, 1.0) < 0.1  # (P idle, holding the lease)
-        tokens, streaming, results = [], threading.Event(), {}
+        tokens, streaming, results = [], threading.Event(), {}  # (tokens: the stream's count, from its usage)
 
         def stream():
             body = {"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+            body["stream_options"] = {"include_usage": True}
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        tokens.append(time.monotonic())
                         streaming.set()
+                        if usage := json.loads(line[6:]).get("usage"):
+                            tokens.append(usage["completion_tokens"])
 
         def pulled():
             body = {"prompt": PROMPTS[1], "max_tokens": 6, "n": 2, "temperature": 0, "kv_transfer_params": kv}
@@ -200,7 +202,7 @@ def test_a_frozen_prefill_instance_costs_a_pull_timeout_and_blocks_nothing_else(
                 plain = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 3}, timeout=60)
                 assert plain.status_code == 200 and "n2" not in results  # (not held back by the waiting sibling)
             runner.join(30)
-            assert len(tokens) == 100 and "n2" not in results  # (the stream ended while the pull waited)
+            assert tokens == [100] and "n2" not in results  # (the stream ended while the pull waited)
             assert time.monotonic() - start < timeout_s - 1
             # (D with nothing to do but wait on the pull: its engine loop sleeps; NIXL's progress thread
             # polls without a pause while a transfer is outstanding, as UCX does. A spinning loop takes
