@@ -114,10 +114,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     num_running: int
 
     def __reduce__(self):
-        return _decode_engine_core_outputs, (_ENGINE_CORE_OUTPUTS.encode(self),)
+        return _decode_engine_core_outputs, (_ENGINE_CORE_OUTPUTS_ENCODER.encode(self),)
 
 
-_ENGINE_CORE_OUTPUTS = msgspec.msgpack.Encoder()
+_ENGINE_CORE_OUTPUTS_ENCODER = msgspec.msgpack.Encoder()
 _ENGINE_CORE_OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
 
 

@@ -1,11 +1,11 @@
 """`picovllm bench serve`: drive the OpenAI-compatible server over HTTP with streaming clients.
 
 Concurrency-limited clients (and optionally Poisson arrivals at a request rate), spread over a few
-client processes, send random-token prompts to /v1/completions with stream=true and ignore_eos; an SSE chunk carries
-the tokens of the steps since the stream's last chunk (one, unless the server fell behind), and
-the usage chunk the count (as vLLM's benchmark takes it). Reports request and token throughput,
-TTFT, TPOT (per output token after the first) and ITL (between chunks): mean, p50, p90, p99; saves
-the raw per-request timings and a plot.
+client processes, send random-token prompts to /v1/completions with stream=true and ignore_eos;
+an SSE chunk carries the tokens of the steps since the stream's last chunk (one, unless the server
+fell behind), and the usage chunk the count (as vLLM's benchmark takes it). Reports request and
+token throughput, TTFT, TPOT (per output token after the first) and ITL (between chunks): mean,
+p50, p90, p99; saves the raw per-request timings and a plot.
 """
 
 from __future__ import annotations
