@@ -831,3 +831,48 @@ def test_a_dead_tensor_parallel_worker_fails_the_server_loudly(tiny_qwen):
     engine._process.join(timeout=10)
     assert not engine._process.is_alive()
     assert subprocess.run(["pgrep", "-P", str(engine.pid)], capture_output=True).stdout == b""
+
+
+def test_a_whole_answer_whose_client_left_as_it_came_aborts_its_requests():
+    """An answer sent whole, ready in the same moment its client disconnects, is not sent
+    (ClientGone) and its requests are aborted, finished as they are: that frees what the engine
+    still holds for them, a prefill instance's lease that no one will pull now (before, it was held
+    until kv_lease_s ran out: test_pd_faults' frozen-prefill test found it held, 1 run in 6). With
+    the client there, the outputs come back and nothing is aborted."""
+    from picovllm.entrypoints.openai.async_engine import RequestStream
+    from picovllm.entrypoints.openai.metrics import ServerMetrics
+    from picovllm.entrypoints.openai.serving import ClientGone, collect
+    from picovllm.outputs import CompletionOutput, RequestOutput
+
+    class Engine:
+        def __init__(self):
+            self._streams, self.aborted = {}, []
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    class Client:  # (the route's Request, as far as collect reads it)
+        def __init__(self, gone: bool):
+            self.gone = gone
+
+        async def receive(self):
+            if not self.gone:
+                await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        async def is_disconnected(self):
+            return self.gone
+
+    async def answer(gone: bool):
+        engine = Engine()
+        streams = [RequestStream(engine, rid, aggregate=True) for rid in ("a", "b")]
+        for stream in streams:
+            stream.put(RequestOutput(stream.request_id, None, [1], [CompletionOutput(0, "x", [7])], True))
+        try:
+            outputs = [o.request_id for o in await collect(Client(gone), streams, ServerMetrics(dict))]
+        except ClientGone:
+            outputs = "gone"
+        return outputs, engine.aborted
+
+    assert asyncio.run(answer(gone=True)) == ("gone", ["a", "b"])
+    assert asyncio.run(answer(gone=False)) == (["a", "b"], [])

@@ -65,7 +65,7 @@ class RequestStream:
         self._output: RequestOutput | None = None  # (delivered, not yet read)
         self._error: BaseException | None = None  # (raised once the output before it is read)
         self._ready = asyncio.Event()
-        self._engine, self._aggregate, self._finished = engine, aggregate, False
+        self._engine, self._aggregate, self._finished, self._aborted = engine, aggregate, False, False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """On the stream's loop: the engine's next output for it, or the error that ends it."""
@@ -103,7 +103,14 @@ class RequestStream:
 
     def close(self) -> None:
         if not self._finished:
-            self._finish()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Its client has gone: the request is aborted, even if it has finished (the engine frees
+        what it still holds for it; an abort of a request it has forgotten does nothing)."""
+        self._finish()
+        if not self._aborted:
+            self._aborted = True
             self._engine.abort(self.request_id)
 
 

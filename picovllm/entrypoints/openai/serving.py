@@ -254,9 +254,24 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def collect(streams: list[RequestStream], metrics: ServerMetrics) -> list[RequestOutput]:
-    """The final outputs of started requests (ServerState.start), one after another; closes
-    their streams (the rest are aborted when one fails)."""
+async def collect(request: Request, streams: list[RequestStream], metrics: ServerMetrics) -> list[RequestOutput]:
+    """The final outputs of started requests (ServerState.start), one after another, for an answer
+    sent whole; closes their streams (the rest are aborted when one fails). A client that
+    disconnects before they are ready, or as they come, is ClientGone, and its requests are all
+    aborted, finished ones too: a finished request's abort frees what the engine still holds for
+    it, a prefill instance's prompt blocks held for pickup, which no one would pull now."""
+    try:
+        outputs = await cancel_on_disconnect(request, _collect_all(streams, metrics))
+        if not await request.is_disconnected():
+            return outputs
+    except ClientGone:
+        pass
+    for stream in streams:
+        stream.abandon()
+    raise ClientGone()
+
+
+async def _collect_all(streams: list[RequestStream], metrics: ServerMetrics) -> list[RequestOutput]:
     try:
         return [await _collect(stream, metrics.track()) for stream in streams]
     finally:

@@ -15,7 +15,6 @@ from picovllm.entrypoints.openai.serving import (
     EventTemplates,
     ServerState,
     State,
-    cancel_on_disconnect,
     chat_logprobs,
     collect,
     new_completions,
@@ -93,7 +92,7 @@ async def chat(req: ChatCompletionRequest, state: State, raw_request: Request):
     calls = _ToolCalls(choice, state.tool_call_parser, tools) if choice not in (None, "none") else None
     if req.stream:
         return sse(_stream(streams[0], req, params.n, params.logprobs, rid, created, state, calls), streams)
-    (out,) = await cancel_on_disconnect(raw_request, collect(streams, state.metrics))
+    (out,) = await collect(raw_request, streams, state.metrics)
     choices = []
     for c in out.outputs:
         message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason

@@ -14,7 +14,6 @@ from picovllm.entrypoints.openai.serving import (
     EventTemplates,
     ServerState,
     State,
-    cancel_on_disconnect,
     collect,
     completion_logprobs,
     new_completions,
@@ -67,7 +66,7 @@ async def completions(req: CompletionRequest, state: State, raw_request: Request
     if req.stream:
         return sse(_stream(streams, req, params.n, rid, created, state), streams)
     choices, prompt_tokens, completion_tokens, cached_tokens, kv_transfer_params = [], 0, 0, 0, None
-    for i, out in enumerate(await cancel_on_disconnect(raw_request, collect(streams, state.metrics))):
+    for i, out in enumerate(await collect(raw_request, streams, state.metrics)):
         kv_transfer_params = out.kv_transfer_params
         prompt_tokens += len(out.prompt_token_ids)
         cached_tokens += out.num_cached_tokens
