@@ -63,9 +63,11 @@ class RequestOutput:
             else:
                 o = self.outputs[mine]
                 o.text += c.text
-                o.token_ids = [*o.token_ids, *c.token_ids]
+                # (a DELTA output's lists are its own: extended in place, a merge costs its own tokens)
+                o.token_ids.extend(c.token_ids)
                 if c.logprobs is not None:
-                    o.logprobs = [*(o.logprobs or []), *c.logprobs]
+                    o.logprobs = o.logprobs if o.logprobs is not None else []
+                    o.logprobs.extend(c.logprobs)
                 o.cumulative_logprob = c.cumulative_logprob
                 o.finish_reason, o.stop_reason = c.finish_reason, c.stop_reason
         self.finished = later.finished
