@@ -5,6 +5,7 @@
 #   (default: the first seven; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
 #      TOKENIZER (structured: a tokenizer directory, e.g. the default model's, for a dummy model),
+#      OVERLOAD_RATE (default 400), OVERLOAD_BUDGET (default 512): overload's arrivals a second and step budget,
 #      HF_MODES (default "eager compiled": transformers at batch 1 beside the latency run),
 #      TREES="A B": each benchmark runs once per source tree, taking turns (an A/B of two checkouts).
 # Packages the machine lacks (the server's, the client's, NIXL's) are installed from wheels in .whl*/ folders
@@ -49,7 +50,7 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
     serve) bench offline64 latency --batch-sizes 64 --input-len 512 --output-len 128
            bench serve serve --concurrency 64 --input-len 512 --output-len 128 --max-num-batched-tokens 128 \
                --max-num-seqs 64 --save-dir "$OUT/serve" ;;
-    overload) OVERLOAD="--max-num-batched-tokens 512 --max-num-seqs 128 --max-num-waiting 64 --input-len 512 --output-len 128"
+    overload) OVERLOAD="--max-num-batched-tokens ${OVERLOAD_BUDGET:-512} --max-num-seqs 128 --max-num-waiting 64 --input-len 512 --output-len 128"
               bench serve64 serve --concurrency 64 --num-prompts 1000 $OVERLOAD
               bench serve256 serve --concurrency 256 --request-rate ${OVERLOAD_RATE:-400} \
                   --num-prompts $((${OVERLOAD_RATE:-400} * 60)) $OVERLOAD ;;  # (a minute of arrivals above capacity)
