@@ -186,7 +186,7 @@ def main() -> None:
     results = []
     for mult, bn, bk, warps in itertools.product((1, 2, 3), (2, 4, 8), (512, 1024, 2048), (4, 8)):
         programs = mult * sms
-        if bn * bk > 8192:
+        if bn * bk > 2048 * warps:  # (a tile and the next: 64 registers a thread)
             continue
         fits = resident(sms, warps, persistent_chain(w, h.clone(), bufs, 1, bn, bk, warps))
         if programs > fits:
