@@ -42,18 +42,22 @@ def _arrive(counter):
 
 
 @triton.jit
-def _gemv_phase(w, x, y, N, K, counter, target, pid, P, BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr):
+def _gemv_phase(
+    w, x, y, N, K, counter, target, pid, P, BN: tl.constexpr, BK: tl.constexpr, KT: tl.constexpr, SYNC: tl.constexpr
+):
     """y[n] = w[n, :K] . x[:K] (fp32 sums, rounded to y's dtype) for this program's blocks of BN
     rows (pid, pid + P, ...), K in KT tiles of BK, once `target` arrivals are counted; then arrive.
     The program's items are (block, K tile) pairs in a row: each next item's weight tile is loaded
     before the current one's products, the first before the wait (past its last item, or with no
-    item, the block's rows are past N: nothing is loaded)."""
+    item, the block's rows are past N: nothing is loaded). Without SYNC no barrier (wrong results:
+    the time of the streaming alone)."""
     rows = tl.arange(0, BN)
     ks = tl.arange(0, BK)
     total = tl.maximum(tl.cdiv(tl.cdiv(N, BN) - pid, P), 0) * KT
     n = pid * BN + rows
     wt = tl.load(w + n[:, None] * K + ks[None, :], mask=(n[:, None] < N) & (ks[None, :] < K), other=0.0)
-    _wait(counter, target)
+    if SYNC:
+        _wait(counter, target)
     acc = tl.zeros([BN], tl.float32)
     for j in range(0, total):
         n = (pid + (j // KT) * P) * BN + rows
@@ -69,7 +73,8 @@ def _gemv_phase(w, x, y, N, K, counter, target, pid, P, BN: tl.constexpr, BK: tl
             tl.store(y + n, acc.to(y.dtype.element_ty), mask=n < N)
             acc = tl.zeros([BN], tl.float32)
         wt = wn
-    _arrive(counter)
+    if SYNC:
+        _arrive(counter)
 
 
 @triton.jit
@@ -93,17 +98,20 @@ def _chain_kernel(
     BK: tl.constexpr,
     KT_H: tl.constexpr,
     KT_I: tl.constexpr,
+    SYNC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     for layer in range(LAYERS):
         base = layer * 4 * P  # (the offsets below fit in int32 at Qwen2.5-1.5B's shapes)
-        _gemv_phase(w_qkv + layer * QKV_N * H, h, q, QKV_N, H, counter, base, pid, P, BN, BK, KT_H)
-        _gemv_phase(w_o + layer * H * H, q, a, H, H, counter, base + P, pid, P, BN, BK, KT_H)
-        _gemv_phase(w_gu + layer * GU_N * H, a, g, GU_N, H, counter, base + 2 * P, pid, P, BN, BK, KT_H)
-        _gemv_phase(w_d + layer * H * INTER_N, g, h, H, INTER_N, counter, base + 3 * P, pid, P, BN, BK, KT_I)
+        _gemv_phase(w_qkv + layer * QKV_N * H, h, q, QKV_N, H, counter, base, pid, P, BN, BK, KT_H, SYNC)
+        _gemv_phase(w_o + layer * H * H, q, a, H, H, counter, base + P, pid, P, BN, BK, KT_H, SYNC)
+        _gemv_phase(w_gu + layer * GU_N * H, a, g, GU_N, H, counter, base + 2 * P, pid, P, BN, BK, KT_H, SYNC)
+        _gemv_phase(w_d + layer * H * INTER_N, g, h, H, INTER_N, counter, base + 3 * P, pid, P, BN, BK, KT_I, SYNC)
 
 
-def persistent_chain(w: dict, h: torch.Tensor, bufs: dict, programs: int, bn: int, bk: int, warps: int):
+def persistent_chain(
+    w: dict, h: torch.Tensor, bufs: dict, programs: int, bn: int, bk: int, warps: int, sync: bool = True
+):
     """The chain on h (in place), w's stacked weights: [layers, n, k] each; returns the launched
     kernel (Triton's, with its register count)."""
     layers, qkv_n, hidden = w["qkv"].shape
@@ -112,7 +120,8 @@ def persistent_chain(w: dict, h: torch.Tensor, bufs: dict, programs: int, bn: in
     return _chain_kernel[(programs,)](
         w["qkv"], w["o"], w["gate_up"], w["down"], h, bufs["q"], bufs["a"], bufs["g"], bufs["counter"],
         programs, hidden, qkv_n, gu_n, inter,
-        LAYERS=layers, BN=bn, BK=bk, KT_H=triton.cdiv(hidden, bk), KT_I=triton.cdiv(inter, bk), num_warps=warps,
+        LAYERS=layers, BN=bn, BK=bk, KT_H=triton.cdiv(hidden, bk), KT_I=triton.cdiv(inter, bk), SYNC=sync,
+        num_warps=warps,
     )  # fmt: skip
 
 
@@ -200,6 +209,9 @@ def main() -> None:
         print(f"persistent P={programs} BN={bn} BK={bk} warps={warps}: {t:.1f} us, {gb * 1e3 / t:.0f} GB/s, "
               f"error {err:.1e}", flush=True)  # fmt: skip
     results.sort()
+    for t, p, bn, bk, wp, _ in results[:3]:  # (the barriers' share: the same streaming without them)
+        free = bench(lambda: persistent_chain(w, hh, bufs, p, bn, bk, wp, sync=False), 10, 5) * 1e6  # noqa: B023
+        print(f"P={p} BN={bn} BK={bk} warps={wp}: {t:.1f} us, without the barriers {free:.1f} us", flush=True)
     print("best:", "; ".join(f"{t:.1f} us P={p} BN={bn} BK={bk} w={wp}" for t, p, bn, bk, wp, _ in results[:5]))
     print(f"engine's kernels again: {bench(engine_chain, 10, 5) * 1e6:.1f} us")
 
