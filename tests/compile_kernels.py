@@ -3,7 +3,17 @@ dependent launch on (the interpreter runs them with it off); prints 'ok' per ker
 tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
 import sys
 
-from picovllm.kernels import decode_attention, fp8_gemm, gemv, kv_store, prefill_attention, rms_norm, silu_mul
+from picovllm.kernels import (
+    decode_attention,
+    fp8_gemm,
+    gemv,
+    kv_store,
+    penalties,
+    prefill_attention,
+    rms_norm,
+    sampling,
+    silu_mul,
+)
 from picovllm.kernels.triton_utils import triton
 
 
@@ -33,6 +43,8 @@ def main(dt: str) -> None:
                 part_acc="*fp32", part_m="*fp32", part_l="*fp32", part_ml="*fp32", work="*i64", weight_scale="*fp32")
     fp8 = {"weight": "*fp8e4nv"}  # (an FP8 weight's kernels: HAS_SCALE)
     fp8_cache = {n: "*fp8e4nv" for n in ("k_cache", "v_cache", "k_new", "v_new")}  # (kv_cache_dtype="fp8")
+    sampler = {"logits": "*fp32", "values": "*fp32", "temperature": "*fp32", "top_k": "*i64", "top_p": "*fp32",
+               "min_p": "*fp32", "counts": "*i32", "thresholds": "*fp32", "seeds": "*i64", "keys": "*i64"}
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
         *[(prefill_attention._prefill_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
@@ -63,6 +75,14 @@ def main(dt: str) -> None:
         *[(fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128),
            {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32"})
           for block_m in (16, 64)],  # (64: Hopper's wgmma)
+        (sampling._count_kernel, dict(CHUNK=2048), sampler),
+        *[(sampling._threshold_kernel, dict(HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, HAS_COUNTS=counts,
+                                            TILE=tile, CHUNKS=128), sampler)
+          for counts, tile in ((True, 32), (False, 1024))],  # (top_k's largest values; a sorted row)
+        (sampling._race_kernel, dict(HAS_THRESHOLD=True, CHUNK=2048), sampler),
+        (penalties._penalty_kernel, dict(TILE=512), {"logits": "*fp32", "out": "*fp32", "prompt_ids": "*i64",
+                                                     "output_ids": "*i64", "ordered": "*i64", "repetition": "*fp32",
+                                                     "frequency": "*fp32", "presence": "*fp32"}),
     ]
     # with programmatic dependent launch (the default on sm_90): its wait compiled in; an entry's third
     # element, if any: pointer types of its own

@@ -602,3 +602,104 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     assert greedy() == reference
     monkeypatch.setattr(prefill_attention, "LONG_QUERIES", 16)
     assert greedy() == reference
+
+
+SAMPLING_CASES = {  # (top_k, top_p, min_p) a row; None: not asked of the batch
+    "top_k": ([1, 5, 20, 20, 3, 7], None, None),
+    "top_p": (None, [0.1, 0.5, 0.8, 0.95, 1.0, 0.3], None),
+    "top_k and top_p": ([1, 5, 20, 20, 3, 7], [0.1, 0.5, 0.8, 0.95, 1.0, 0.3], None),
+    "top_k off on a row": ([300, 5, 20, 300, 3, 7], [0.1, 0.5, 0.8, 0.95, 1.0, 0.3], None),
+    "min_p": (None, None, [0.0, 0.1, 0.5, 0.9, 0.01, 0.3]),
+    "all three": ([1, 5, 20, 20, 3, 7], [0.1, 0.5, 0.8, 0.95, 1.0, 0.3], [0.0, 0.1, 0.5, 0.9, 0.01, 0.3]),
+}
+
+
+def _sampling_case(name: str):
+    """Six rows of 300 logits on a coarse grid (many ties, the k-th's included, as bf16 logits
+    have), one row with only 3 tokens left by a mask; temperatures that divide exactly."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 300, generator=g) * 12).round() / 4
+    logits[4, 3:] = float("-inf")
+    top_k, top_p, min_p = (None if v is None else torch.tensor(v) for v in SAMPLING_CASES[name])
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.5, 2.0])
+    max_top_k = None if top_k is None else int(top_k.max())
+    return logits, temperature, top_k, top_p, min_p, max_top_k
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_CASES))
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # (log 0 = -inf: min_p 0)
+def test_sampling_thresholds_keep_the_references_tokens(name):
+    """Each row's threshold keeps exactly the tokens the reference's masks keep: ties with the
+    k-th (beyond the largest values too), top_p over top_k's survivors, min_p before both."""
+    from picovllm.kernels.sampling import apply_min_p, apply_top_k_top_p, thresholds_triton
+
+    logits, temperature, top_k, top_p, min_p, max_top_k = _sampling_case(name)
+    x = logits / temperature[:, None]
+    if min_p is not None:
+        x = apply_min_p(x, min_p)
+    expect = apply_top_k_top_p(x, top_k, top_p, max_top_k) > float("-inf")
+    thresholds = thresholds_triton(
+        logits.to(DEV),
+        temperature.to(DEV),
+        *(None if v is None else v.to(DEV) for v in (top_k, top_p, min_p)),
+        max_top_k,
+        chunk=64,
+    )
+    kept = (logits.to(DEV) >= thresholds[:, None]).cpu()
+    assert torch.equal(kept, expect), (kept.sum(1), expect.sum(1))
+    if top_k is not None:
+        assert expect.sum(1).tolist() != [min(k, 300) for k in top_k.tolist()]  # (ties beyond the k-th kept)
+
+
+def test_sampling_draws_follow_the_kept_distribution():
+    """800 rows of one row's logits (top_k 3 at temperature 0.7): each token's share is its
+    probability renormalised over the tokens kept; a seeded row draws the same token whatever row
+    it is in. (Few rows: the interpreter runs each program apart.)"""
+    from picovllm.kernels.sampling import apply_top_k_top_p, sample_triton
+
+    rows, vocab = 800, 20
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(1, vocab, generator=g) * 2).repeat(rows, 1)
+    temperature, top_k = torch.full((rows,), 0.7), torch.full((rows,), 3)
+    torch.manual_seed(0)
+    out = sample_triton(logits.to(DEV), temperature.to(DEV), top_k.to(DEV), None, None, 3, [None] * rows).cpu()
+    expect = apply_top_k_top_p(logits[:1] / 0.7, top_k[:1], None, 3).softmax(-1)[0]
+    assert sorted(expect.tolist())[-3] > 0.1 and int((expect > 0).sum()) == 3
+    torch.testing.assert_close(torch.bincount(out, minlength=vocab) / rows, expect, atol=0.05, rtol=0)
+
+    def seeded(row: int) -> int:
+        gens = [None] * 8
+        gens[row] = torch.Generator(device=DEV).manual_seed(7)
+        return int(sample_triton(logits[:8].to(DEV), temperature[:8].to(DEV), None, None, None, None, gens)[row])
+
+    assert seeded(0) == seeded(5)
+
+
+def test_penalties_kernel_equals_reference():
+    """Repetition, frequency and presence penalties at the seen tokens, exactly the reference's:
+    prompts and outputs of different lengths (padding), repeated tokens, tokens in both, a row
+    with no output yet, outputs longer than a tile; the model's logits left as they were."""
+    from picovllm.kernels.penalties import apply_penalties_ref, apply_penalties_triton
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 90
+
+    def padded(lengths):
+        rows = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+        out = torch.full((len(rows), max(lengths)), vocab, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = r
+        return out.to(DEV)
+
+    prompt_ids, output_ids = padded([1, 40, 7, 130, 3]), padded([0, 5, 200, 64, 1])
+    logits = (torch.randn(5, vocab, generator=g) * 3).to(DEV)
+    before = logits.clone()
+    penalties = [
+        torch.tensor(v, device=DEV)[:, None]
+        for v in ([1.3, 0.8, 1.0, 2.0, 1.05], [0.2, 0.0, -0.5, 1.0, 0.1], [0.4, 0.3, 0.0, -1.0, 0.2])
+    ]
+    expect = apply_penalties_ref(logits, prompt_ids, output_ids, *penalties)
+    got = apply_penalties_triton(logits, prompt_ids, output_ids, *penalties, tile=32)
+    assert torch.equal(got, expect)
+    assert torch.equal(logits, before)
+    assert (got != before).sum() > 100

@@ -7,8 +7,10 @@ import torch
 
 from picovllm.engine.request import Request
 from picovllm.engine.step_launcher import sampling_batch
+from picovllm.kernels.penalties import apply_penalties_ref
+from picovllm.kernels.sampling import apply_min_p, apply_top_k_top_p
 from picovllm.sampling_params import SamplingParams
-from picovllm.worker.sampler import Sampler, SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p
+from picovllm.worker.sampler import Sampler, SamplingTensors
 
 NEG = float("-inf")
 
@@ -23,6 +25,26 @@ def _tensors(reqs: list[Request], vocab: int, eos_ids=frozenset(), generators=No
     """The sampling tensors of these requests, as the engine and the model runner build them."""
     generators = generators or [None] * len(reqs)
     return SamplingTensors.from_batch(sampling_batch(reqs, []), generators, vocab, set(eos_ids), torch.device("cpu"))
+
+
+@pytest.fixture(params=["reference", "triton"])
+def draw_path(request, monkeypatch):
+    """The draw of kernels/sampling.py on its PyTorch reference or, on CPU tensors in Triton's
+    interpreter, on its Triton path (the GPU's)."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the interpreter runs on CPU tensors")
+        from picovllm.kernels import triton_utils
+
+        monkeypatch.setattr(triton_utils, "ON_CPU", True)
+    return request.param
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    return apply_penalties_ref(
+        logits, t.prompt_ids, t.output_ids, t.repetition_penalty, t.frequency_penalty, t.presence_penalty
+    )
 
 
 def _kept(logits: torch.Tensor) -> list[list[int]]:
@@ -159,7 +181,7 @@ def test_logit_bias_is_added_before_the_choice():
     assert torch.equal(logits, torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]]))  # (the model's, untouched)
 
 
-def test_allowed_token_ids_keep_only_theirs():
+def test_allowed_token_ids_keep_only_theirs(draw_path):
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]])
     params = [
         SamplingParams(temperature=0, allowed_token_ids=[0, 3]),
@@ -196,7 +218,7 @@ def _sample_seq(params, others, steps=20, vocab=50):
     return tokens
 
 
-def test_seeded_sampling_independent_of_batch():
+def test_seeded_sampling_independent_of_batch(draw_path):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
     alone = _sample_seq(params, [])
     with_others = _sample_seq(params, [_req(SamplingParams(temperature=0.7)), _req(SamplingParams(temperature=0))])
@@ -205,7 +227,7 @@ def test_seeded_sampling_independent_of_batch():
     assert _sample_seq(SamplingParams(temperature=1.0, top_p=0.9, seed=43), []) != alone
 
 
-def test_seeded_top_k_sampling_independent_of_the_batchs_top_k():
+def test_seeded_top_k_sampling_independent_of_the_batchs_top_k(draw_path):
     """A seeded row's tokens are the same when the batch sorts only the top 20 of each row and when
     another row (no top_k) makes it sort all of them."""
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.8, seed=42)

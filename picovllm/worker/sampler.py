@@ -2,12 +2,9 @@
 
 Order: structured outputs' bitmask, min_tokens masking (except on a row whose grammar then allows
 nothing: its stop tokens stay, as vLLM has it), logit_bias, allowed_token_ids and penalties on the
-logits -> greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p
-(sorting each row's largest top_k logits, not its whole vocabulary) -> a draw by the exponential
-race (argmax of p / q with q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw
-without the softmax, which costs a pass over a 152k vocabulary per row), each seeded request
-drawing its noise from its own generator so that its samples do not depend on what else is in the
-batch.
+logits -> greedy rows take the argmax -> the others' draw under temperature, min_p, top_k and
+top_p (kernels/sampling.py), each seeded request's from its own generator so that its samples do
+not depend on what else is in the batch.
 Log-probabilities are those of the raw model output.
 """
 
@@ -19,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from picovllm.kernels.penalties import apply_penalties
+from picovllm.kernels.sampling import sample
 from picovllm.messages import SamplerOutput, SamplingBatch
 
 _NEG_INF = float("-inf")
@@ -163,66 +162,6 @@ def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
-def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """repetition: tokens seen in prompt or output get logit / p if positive, logit * p if not;
-    frequency and presence: logit -= f * count_in_output + r * (count_in_output > 0). Computed at
-    the tokens the prompt and output hold (gathered, then scattered into a copy), not over the
-    vocabulary. A row's padding (vocab_size) stands for its first prompt token: each value written
-    is a function of its token (and row), so a token written twice gets the same value twice."""
-    vocab_size = logits.shape[1]
-    prompt, output = t.prompt_ids, t.output_ids
-    first = prompt[:, :1]  # (prompts are never empty)
-    output_ids = torch.where(output < vocab_size, output, first)
-    seen = torch.cat([torch.where(prompt < vocab_size, prompt, first), output_ids], dim=1)
-    x = logits.gather(1, seen)
-    rep = t.repetition_penalty
-    penalised = logits.scatter(1, seen, torch.where(x > 0, x / rep, x * rep))
-    ordered = output.sort(dim=1).values  # (each output token's count: where its run starts and ends)
-    counts = (torch.searchsorted(ordered, output_ids, right=True) - torch.searchsorted(ordered, output_ids)).float()
-    y = penalised.gather(1, output_ids)
-    return penalised.scatter_(1, output_ids, y - t.frequency_penalty * counts - t.presence_penalty * (counts > 0))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p times the most likely token's."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill(probs < threshold, _NEG_INF)
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
-) -> torch.Tensor:
-    """top_k keeps the k largest logits (and ties with the k-th); top_p then keeps each token whose
-    more likely tokens' probability (renormalised over those top_k kept) is below p: the smallest
-    set of most likely tokens that reaches p, and ties with its least likely (always one at least).
-    With a top_k only the max_top_k largest logits of each row are sorted (torch.topk; max_top_k,
-    the largest top_k, is known on the host), not the whole vocabulary: ties with a k-th beyond
-    them are counted."""
-    if top_k is None and top_p is None:
-        return logits
-    vocab_size = logits.shape[1]
-    width = min(max_top_k or vocab_size, vocab_size) if top_k is not None else vocab_size
-    # (descending; torch.topk of a whole row is slower than its sort)
-    values = logits.topk(width, dim=-1).values if width < vocab_size else logits.sort(dim=-1, descending=True).values
-    kth = values.gather(1, top_k.clamp(1, width)[:, None] - 1) if top_k is not None else None
-    if top_p is None:
-        return logits.masked_fill(logits < kth, _NEG_INF)
-    weights = (values - values[:, :1]).exp()  # (probabilities, not normalised)
-    if kth is not None:
-        weights = weights.masked_fill(values < kth, 0)
-        beyond = (logits >= kth).sum(dim=-1, keepdim=True) - (values >= kth).sum(dim=-1, keepdim=True)
-        total = weights.sum(dim=-1, keepdim=True) + beyond * (kth - values[:, :1]).exp()
-    else:
-        total = weights.sum(dim=-1, keepdim=True)
-    # a token stays if the tokens before it hold less than p: the first, and one past each such sum
-    below = torch.searchsorted(weights.cumsum(dim=-1), top_p[:, None] * total)
-    threshold = values.gather(1, (below + 1).clamp(max=width) - 1)
-    if kth is not None:  # (rounding at p = 1 never lets top_p keep what top_k dropped)
-        threshold = torch.maximum(threshold, kth)
-    return logits.masked_fill(logits < threshold, _NEG_INF)
-
-
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
@@ -245,20 +184,12 @@ class Sampler:
             keep[pair_rows, pair_ids] = True
             logits = logits.masked_fill(~keep, _NEG_INF)
         if t.repetition_penalty is not None:
-            logits = apply_penalties(logits, t)
+            logits = apply_penalties(
+                logits, t.prompt_ids, t.output_ids, t.repetition_penalty, t.frequency_penalty, t.presence_penalty
+            )
         sampled = logits.argmax(dim=-1) if t.any_greedy else None
         if not t.all_greedy:
-            logits = logits / t.temperature[:, None]
-            if t.min_p is not None:
-                logits = apply_min_p(logits, t.min_p)
-            logits = apply_top_k_top_p(logits, t.top_k, t.top_p, t.max_top_k)
-            # Exp(1) noise as -log(U): on the CPU four times faster than exponential_()
-            uniform = torch.rand_like(logits)
-            for i, gen in enumerate(t.generators):
-                if gen is not None:
-                    uniform[i].uniform_(generator=gen)
-            # argmax(p / q) = argmax(log p - log q) = argmax(logits - log q): no softmax needed
-            random = logits.sub_(uniform.log_().neg_().log_()).argmax(dim=-1)
+            random = sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.max_top_k, t.generators)
             sampled = random if sampled is None else torch.where(t.greedy, sampled, random)
         return (
             SamplerOutput(sampled, None, None, None, None)

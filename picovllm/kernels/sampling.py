@@ -1,0 +1,230 @@
+"""The random draw of a batch of logits under each row's temperature, min_p, top_k and top_p
+(vLLM's semantics and order; worker/sampler.py applies penalties, biases and masks before it).
+
+The reference: temperature -> min_p -> top_k -> top_p as masks over each row (sorting each row's
+largest top_k logits, not its whole vocabulary), then a draw by the exponential race (argmax of
+p / q with q = -log(U) ~ Exp(1), taken as argmax of logits - log q: the same draw without the
+softmax, which costs a pass over a 152k vocabulary per row), each seeded row drawing its noise
+from its own generator so that its samples do not depend on what else is in the batch.
+
+The Triton path keeps the same tokens as one threshold a row and draws without writing a mask or
+the noise: a handful of launches where the reference makes some forty, whatever the batch.
+1. The row's largest logits: torch.topk of the batch's largest top_k; the sorted row when top_p
+   is asked of a row without a top_k; the row's maximum for min_p alone.
+2. With top_k and top_p both asked, the logits tied with the k-th beyond those largest are
+   counted in chunks of the row (_count_kernel): top_p's total includes them, as the reference's.
+3. Each row's threshold (_threshold_kernel): the k-th largest, min_p's floor, and the value
+   below which top_p's smallest set of most likely tokens ends.
+4. The race in chunks of the row (_race_kernel): Philox noise from the row's seed and each token's
+   index (a seeded row's seed drawn from its generator, so that its samples depend on nothing
+   else in the batch), each chunk's best (score, token) packed in an int64 and maxed atomically.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
+
+_NEG_INF = float("-inf")
+_SEED_HIGH = 2**62
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
+) -> torch.Tensor:
+    """top_k keeps the k largest logits (and ties with the k-th); top_p then keeps each token whose
+    more likely tokens' probability (renormalised over those top_k kept) is below p: the smallest
+    set of most likely tokens that reaches p, and ties with its least likely (always one at least).
+    With a top_k only the max_top_k largest logits of each row are sorted (torch.topk; max_top_k,
+    the largest top_k, is known on the host), not the whole vocabulary: ties with a k-th beyond
+    them are counted."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab_size = logits.shape[1]
+    width = min(max_top_k or vocab_size, vocab_size) if top_k is not None else vocab_size
+    # (descending; torch.topk of a whole row is slower than its sort)
+    values = logits.topk(width, dim=-1).values if width < vocab_size else logits.sort(dim=-1, descending=True).values
+    kth = values.gather(1, top_k.clamp(1, width)[:, None] - 1) if top_k is not None else None
+    if top_p is None:
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    weights = (values - values[:, :1]).exp()  # (probabilities, not normalised)
+    if kth is not None:
+        weights = weights.masked_fill(values < kth, 0)
+        beyond = (logits >= kth).sum(dim=-1, keepdim=True) - (values >= kth).sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True) + beyond * (kth - values[:, :1]).exp()
+    else:
+        total = weights.sum(dim=-1, keepdim=True)
+    # a token stays if the tokens before it hold less than p: the first, and one past each such sum
+    below = torch.searchsorted(weights.cumsum(dim=-1), top_p[:, None] * total)
+    threshold = values.gather(1, (below + 1).clamp(max=width) - 1)
+    if kth is not None:  # (rounding at p = 1 never lets top_p keep what top_k dropped)
+        threshold = torch.maximum(threshold, kth)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def sample_ref(logits, temperature, top_k, top_p, min_p, max_top_k, generators) -> torch.Tensor:
+    logits = logits / temperature[:, None]
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    logits = apply_top_k_top_p(logits, top_k, top_p, max_top_k)
+    # Exp(1) noise as -log(U): on the CPU four times faster than exponential_()
+    uniform = torch.rand_like(logits)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            uniform[i].uniform_(generator=gen)
+    # argmax(p / q) = argmax(log p - log q) = argmax(logits - log q): no softmax needed
+    return logits.sub_(uniform.log_().neg_().log_()).argmax(dim=-1)
+
+
+@triton.jit
+def _count_kernel(logits, values, top_k, counts, s_l, s_v, vocab, width, chunks,
+                  CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """counts[row, chunk]: the chunk's logits at or above the row's k-th largest."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    inside = cols < vocab
+    pdl_wait(USE_PDL)
+    k = tl.minimum(tl.load(top_k + row), width).to(tl.int32)
+    kth = tl.load(values + row * s_v + k - 1)
+    x = tl.load(logits + row * s_l + cols, mask=inside, other=0.0)
+    tl.store(counts + row * chunks + chunk, tl.sum((inside & (x >= kth)).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _threshold_kernel(values, temperature, top_k, top_p, min_p, counts, thresholds, s_v, width, chunks,
+                      HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                      HAS_COUNTS: tl.constexpr, TILE: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """thresholds[row]: the least logit the row keeps. values: its largest logits, descending."""
+    row = tl.program_id(0)
+    pdl_wait(USE_PDL)
+    t = tl.load(temperature + row)
+    top = tl.load(values + row * s_v)
+    lower = -float("inf")
+    kth = -float("inf")
+    if HAS_TOP_K:
+        kth = tl.load(values + row * s_v + tl.minimum(tl.load(top_k + row), width).to(tl.int32) - 1)
+        lower = kth
+    if HAS_MIN_P:  # (p / p_max >= min_p at temperature t)
+        lower = tl.maximum(lower, top + t * tl.log(tl.load(min_p + row)))
+    if HAS_TOP_P:
+        p = tl.load(top_p + row)
+        total = 0.0
+        within = 0  # (the values at or above the k-th)
+        for start in range(0, width, TILE):
+            cols = start + tl.arange(0, TILE)
+            v = tl.load(values + row * s_v + cols, mask=cols < width, other=-float("inf"))
+            total += tl.sum(tl.where(v >= lower, tl.exp((v - top) / t), 0.0), axis=0)
+            within += tl.sum((v >= kth).to(tl.int32), axis=0)
+        if HAS_COUNTS:  # (ties with the k-th beyond the values, where top_k is what bounds the row)
+            parts = tl.arange(0, CHUNKS)
+            beyond = tl.sum(tl.load(counts + row * chunks + parts, mask=parts < chunks, other=0), axis=0) - within
+            total += tl.where(kth >= lower, beyond.to(tl.float32) * tl.exp((kth - top) / t), 0.0)
+        # the first value whose running sum reaches p * total (the last if rounding keeps it short)
+        target = p * total
+        run = 0.0
+        first = width - 1
+        for start in range(0, width, TILE):
+            cols = start + tl.arange(0, TILE)
+            v = tl.load(values + row * s_v + cols, mask=cols < width, other=-float("inf"))
+            w = tl.where(v >= lower, tl.exp((v - top) / t), 0.0)
+            reached = (tl.cumsum(w, axis=0) + run >= target) & (cols < width)
+            first = tl.minimum(first, tl.min(tl.where(reached, cols, width - 1), axis=0))
+            run += tl.sum(w, axis=0)
+        lower = tl.maximum(lower, tl.load(values + row * s_v + first))
+    tl.store(thresholds + row, lower)
+
+
+@triton.jit
+def _race_kernel(logits, temperature, thresholds, seeds, keys, s_l, vocab,
+                 HAS_THRESHOLD: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """keys[row]: the greatest (score, token) of the row's kept tokens, score = logit / t - log(q),
+    q = -log(U) ~ Exp(1) from the row's seed at the token's index; the score's bits ordered as
+    an int32 in the high half, the token in the low."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    inside = cols < vocab
+    u = tl.rand(tl.load(seeds + row), cols)
+    noise = tl.log(-tl.log(u))
+    x = tl.load(logits + row * s_l + cols, mask=inside, other=-float("inf"))
+    t = tl.load(temperature + row)
+    pdl_wait(USE_PDL)
+    if HAS_THRESHOLD:
+        inside = inside & (x >= tl.load(thresholds + row))
+    score = tl.where(inside, x / t - noise, -float("inf"))
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # (a float's order as a signed integer's)
+    key = (ordered.to(tl.int64) << 32) | cols.to(tl.int64)
+    tl.atomic_max(keys + row, tl.max(key, axis=0))
+
+
+def _seeds(rows: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """A seed a row: a seeded row's from its generator, the others' from torch's."""
+    seeds = torch.randint(_SEED_HIGH, (rows,), device=device)
+    if not any(g is not None for g in generators):
+        return seeds
+    own = [seeds[i : i + 1] if g is None else torch.randint(_SEED_HIGH, (1,), generator=g, device=device)
+           for i, g in enumerate(generators)]
+    return torch.cat(own)
+
+
+def thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk: int) -> torch.Tensor | None:
+    """The least logit each row keeps (None: every token), for contiguous logits."""
+    if top_k is None and top_p is None and min_p is None:
+        return None
+    rows, vocab = logits.shape
+    width = min(max_top_k or vocab, vocab) if top_k is not None else vocab
+    if width < vocab:
+        values = logits.topk(width, dim=-1).values
+    elif top_k is not None or top_p is not None:
+        values = logits.sort(dim=-1, descending=True).values
+    else:  # (min_p alone: the row's maximum)
+        values, width = logits.amax(dim=-1, keepdim=True), 1
+    chunks = triton.cdiv(vocab, chunk)
+    counts = None
+    if top_k is not None and top_p is not None and width < vocab:
+        counts = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+        _count_kernel[(rows, chunks)](logits, values, top_k, counts, logits.stride(0), values.stride(0), vocab,
+                                      width, chunks, CHUNK=chunk, **pdl(logits))
+    thresholds = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _threshold_kernel[(rows,)](
+        values, temperature, top_k, top_p, min_p, counts, thresholds, values.stride(0), width, chunks,
+        HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
+        HAS_COUNTS=counts is not None, TILE=min(next_pow2(width), 1024), CHUNKS=next_pow2(chunks), **pdl(logits))
+    return thresholds
+
+
+def sample_triton(logits, temperature, top_k, top_p, min_p, max_top_k, generators, chunk: int = 2048) -> torch.Tensor:
+    rows, vocab = logits.shape
+    logits = logits.contiguous()
+    seeds = _seeds(rows, generators, logits.device)
+    keys = torch.full((rows,), -(2**63), dtype=torch.int64, device=logits.device)
+    thresholds = thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk)
+    _race_kernel[(rows, triton.cdiv(vocab, chunk))](
+        logits, temperature, thresholds, seeds, keys, logits.stride(0), vocab,
+        HAS_THRESHOLD=thresholds is not None, CHUNK=chunk, **pdl(logits))
+    return keys & 0xFFFFFFFF
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    max_top_k: int | None,
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """One token a row (int64) drawn from fp32 logits; temperature is 1 on rows sampled greedily
+    beside them (their draw is not used)."""
+    return (sample_triton if use_triton(logits) else sample_ref)(
+        logits, temperature, top_k, top_p, min_p, max_top_k, generators
+    )
