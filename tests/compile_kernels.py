@@ -76,10 +76,8 @@ def main(dt: str) -> None:
            {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32"})
           for block_m in (16, 64)],  # (64: Hopper's wgmma)
         (sampling._count_kernel, dict(CHUNK=2048), sampler),
-        *[(sampling._threshold_kernel, dict(HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, HAS_COUNTS=counts,
-                                            TILE=tile, CHUNKS=128), sampler)
-          for counts, tile in ((True, 32), (False, 1024))],  # (top_k's largest values; a sorted row)
-        (sampling._race_kernel, dict(HAS_THRESHOLD=True, CHUNK=2048), sampler),
+        (sampling._threshold_kernel, dict(TILE=1024, CHUNKS=128), sampler),
+        (sampling._race_kernel, dict(CHUNK=2048), sampler),
         (penalties._penalty_kernel, dict(TILE=512), {"logits": "*fp32", "out": "*fp32", "prompt_ids": "*i64",
                                                      "output_ids": "*i64", "ordered": "*i64", "repetition": "*fp32",
                                                      "frequency": "*fp32", "presence": "*fp32"}),

@@ -481,3 +481,31 @@ def test_launching_a_step_never_waits_for_the_device():
     assert engine.block_manager.num_used_blocks == engine.scheduler.cache.num_cached_blocks
     del llm, engine
     _free_gpu()
+
+
+def test_no_step_compiles_a_sampler_kernel():
+    """The engine compiles the sampler's kernels before serving (Sampler.warm_up), one of each for
+    every batch: steps under every sampling parameter, outputs growing step by step (the
+    penalties' lengths), top_k 1 to 50, seeded rows, compile nothing more, and each kernel ran."""
+    from picovllm.kernels import penalties, sampling
+
+    llm = LLM(**DUMMY_1P5B)
+    kernels = [sampling._count_kernel, sampling._threshold_kernel, sampling._race_kernel, penalties._penalty_kernel]
+
+    def compiled() -> list[int]:
+        return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]
+
+    before = compiled()
+    assert before == [1, 1, 1, 1]
+    params = [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=33, ignore_eos=True, seed=3),
+        SamplingParams(temperature=0.5, top_p=0.9, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0.9, min_p=0.1, presence_penalty=0.5, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.95, frequency_penalty=0.2, max_tokens=31, ignore_eos=True),
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()[:5]], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [40, 33, 17, 25, 31]
+    assert compiled() == before
+    del llm
+    _free_gpu()

@@ -49,7 +49,7 @@ def _count_in(ordered, token, length, steps):
     return lo - start
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_p", "s_o", "prompt_len", "output_len", "steps"])  # (they change every step)
 def _penalty_kernel(logits, out, prompt_ids, output_ids, ordered, repetition, frequency, presence,
                     s_l, s_p, s_o, prompt_len, output_len, vocab, steps, TILE: tl.constexpr, USE_PDL: tl.constexpr):
     """One program a row: each seen token's logit, read from logits, written penalised to out."""

@@ -84,7 +84,7 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, max_top_k, generators) 
     return logits.sub_(uniform.log_().neg_().log_()).argmax(dim=-1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_v", "width"])  # (the batch's largest top_k: no compilation mid-serving)
 def _count_kernel(logits, values, top_k, counts, s_l, s_v, vocab, width, chunks,
                   CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """counts[row, chunk]: the chunk's logits at or above the row's k-th largest."""
@@ -99,23 +99,24 @@ def _count_kernel(logits, values, top_k, counts, s_l, s_v, vocab, width, chunks,
     tl.store(counts + row * chunks + chunk, tl.sum((inside & (x >= kth)).to(tl.int32), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_v", "width", "has_top_k", "has_top_p", "has_min_p", "has_counts"])
 def _threshold_kernel(values, temperature, top_k, top_p, min_p, counts, thresholds, s_v, width, chunks,
-                      HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                      HAS_COUNTS: tl.constexpr, TILE: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
-    """thresholds[row]: the least logit the row keeps. values: its largest logits, descending."""
+                      has_top_k, has_top_p, has_min_p, has_counts,
+                      TILE: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """thresholds[row]: the least logit the row keeps. values: its largest logits, descending.
+    What the batch asks for is a runtime flag: one compiled kernel serves every batch."""
     row = tl.program_id(0)
     pdl_wait(USE_PDL)
     t = tl.load(temperature + row)
     top = tl.load(values + row * s_v)
     lower = -float("inf")
     kth = -float("inf")
-    if HAS_TOP_K:
+    if has_top_k:
         kth = tl.load(values + row * s_v + tl.minimum(tl.load(top_k + row), width).to(tl.int32) - 1)
         lower = kth
-    if HAS_MIN_P:  # (p / p_max >= min_p at temperature t)
+    if has_min_p:  # (p / p_max >= min_p at temperature t)
         lower = tl.maximum(lower, top + t * tl.log(tl.load(min_p + row)))
-    if HAS_TOP_P:
+    if has_top_p:
         p = tl.load(top_p + row)
         total = 0.0
         within = 0  # (the values at or above the k-th)
@@ -124,7 +125,7 @@ def _threshold_kernel(values, temperature, top_k, top_p, min_p, counts, threshol
             v = tl.load(values + row * s_v + cols, mask=cols < width, other=-float("inf"))
             total += tl.sum(tl.where(v >= lower, tl.exp((v - top) / t), 0.0), axis=0)
             within += tl.sum((v >= kth).to(tl.int32), axis=0)
-        if HAS_COUNTS:  # (ties with the k-th beyond the values, where top_k is what bounds the row)
+        if has_counts:  # (ties with the k-th beyond the values, where top_k is what bounds the row)
             parts = tl.arange(0, CHUNKS)
             beyond = tl.sum(tl.load(counts + row * chunks + parts, mask=parts < chunks, other=0), axis=0) - within
             total += tl.where(kth >= lower, beyond.to(tl.float32) * tl.exp((kth - top) / t), 0.0)
@@ -143,27 +144,40 @@ def _threshold_kernel(values, temperature, top_k, top_p, min_p, counts, threshol
     tl.store(thresholds + row, lower)
 
 
-@triton.jit
-def _race_kernel(logits, temperature, thresholds, seeds, keys, s_l, vocab,
-                 HAS_THRESHOLD: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["has_threshold"])
+def _race_kernel(logits, temperature, thresholds, seeds, keys, s_l, vocab, has_threshold,
+                 CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """keys[row]: the greatest (score, token) of the row's kept tokens, score = logit / t - log(q),
-    q = -log(U) ~ Exp(1) from the row's seed at the token's index; the score's bits ordered as
-    an int32 in the high half, the token in the low."""
+    q = -log(U) ~ Exp(1) from the row's seed and the token's index (Philox gives four numbers a
+    call: a chunk's four quarters take one each); the score's bits ordered as an int32 in the high
+    half, the token in the low."""
+    QUARTER: tl.constexpr = CHUNK // 4
     row = tl.program_id(0)
-    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    inside = cols < vocab
-    u = tl.rand(tl.load(seeds + row), cols)
-    noise = tl.log(-tl.log(u))
-    x = tl.load(logits + row * s_l + cols, mask=inside, other=-float("inf"))
+    chunk = tl.program_id(1)
+    i = tl.arange(0, QUARTER)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(seeds + row), chunk * QUARTER + i)
     t = tl.load(temperature + row)
     pdl_wait(USE_PDL)
-    if HAS_THRESHOLD:
-        inside = inside & (x >= tl.load(thresholds + row))
-    score = tl.where(inside, x / t - noise, -float("inf"))
+    # (with no threshold, thresholds is another tensor of the batch's rows, not read as one)
+    threshold = tl.where(has_threshold != 0, tl.load(thresholds + row), -float("inf"))
+    first = logits + row * s_l
+    cols = chunk * CHUNK + i
+    best = _best(first, cols, u0, t, threshold, vocab)
+    best = tl.maximum(best, _best(first, cols + QUARTER, u1, t, threshold, vocab))
+    best = tl.maximum(best, _best(first, cols + 2 * QUARTER, u2, t, threshold, vocab))
+    best = tl.maximum(best, _best(first, cols + 3 * QUARTER, u3, t, threshold, vocab))
+    tl.atomic_max(keys + row, best)
+
+
+@triton.jit
+def _best(row, cols, u, t, threshold, vocab):
+    """The greatest key of these tokens of the row (-inf's score for those not kept)."""
+    x = tl.load(row + cols, mask=cols < vocab, other=-float("inf"))
+    kept = (cols < vocab) & (x >= threshold)
+    score = tl.where(kept, x / t - tl.log(-tl.log(u)), -float("inf"))
     bits = score.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # (a float's order as a signed integer's)
-    key = (ordered.to(tl.int64) << 32) | cols.to(tl.int64)
-    tl.atomic_max(keys + row, tl.max(key, axis=0))
+    return tl.max((ordered.to(tl.int64) << 32) | cols.to(tl.int64), axis=0)
 
 
 def _seeds(rows: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -189,16 +203,18 @@ def thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk
     else:  # (min_p alone: the row's maximum)
         values, width = logits.amax(dim=-1, keepdim=True), 1
     chunks = triton.cdiv(vocab, chunk)
-    counts = None
-    if top_k is not None and top_p is not None and width < vocab:
-        counts = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
+    counts = torch.empty((rows, chunks) if top_k is not None and top_p is not None and width < vocab else 1,
+                         dtype=torch.int32, device=logits.device)
+    if counts.dim() == 2:
         _count_kernel[(rows, chunks)](logits, values, top_k, counts, logits.stride(0), values.stride(0), vocab,
                                       width, chunks, CHUNK=chunk, **pdl(logits))
     thresholds = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    asked = [int(v is not None) for v in (top_k, top_p, min_p)] + [int(counts.dim() == 2)]
+    # (a parameter the batch does not ask for: another tensor of its type in its place, never read)
     _threshold_kernel[(rows,)](
-        values, temperature, top_k, top_p, min_p, counts, thresholds, values.stride(0), width, chunks,
-        HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
-        HAS_COUNTS=counts is not None, TILE=min(next_pow2(width), 1024), CHUNKS=next_pow2(chunks), **pdl(logits))
+        values, temperature, top_k if top_k is not None else counts.new_empty(1, dtype=torch.int64),
+        temperature if top_p is None else top_p, temperature if min_p is None else min_p, counts, thresholds,
+        values.stride(0), width, chunks, *asked, TILE=1024, CHUNKS=next_pow2(chunks), **pdl(logits))
     return thresholds
 
 
@@ -209,8 +225,8 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, max_top_k, generator
     keys = torch.full((rows,), -(2**63), dtype=torch.int64, device=logits.device)
     thresholds = thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk)
     _race_kernel[(rows, triton.cdiv(vocab, chunk))](
-        logits, temperature, thresholds, seeds, keys, logits.stride(0), vocab,
-        HAS_THRESHOLD=thresholds is not None, CHUNK=chunk, **pdl(logits))
+        logits, temperature, temperature if thresholds is None else thresholds, seeds, keys, logits.stride(0), vocab,
+        int(thresholds is not None), CHUNK=chunk, **pdl(logits))
     return keys & 0xFFFFFFFF
 
 

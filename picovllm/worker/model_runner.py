@@ -156,7 +156,9 @@ class ModelRunner:
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int = 0) -> float:
         """Capture CUDA graphs (after the KV cache is bound: graphs keep its addresses): decode,
-        and mixed steps of up to mixed_graph_tokens tokens when it is > 0. Returns seconds."""
+        and mixed steps of up to mixed_graph_tokens tokens when it is > 0; the sampler's kernels
+        compiled too. Returns seconds."""
+        self.sampler.warm_up(self.model_cfg.vocab_size, self.device)
         self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size, self.device)
         seconds = self.graphs.capture()
         if mixed_graph_tokens > 0:

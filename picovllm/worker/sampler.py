@@ -19,6 +19,7 @@ import torch
 from picovllm.kernels.penalties import apply_penalties
 from picovllm.kernels.sampling import sample
 from picovllm.messages import SamplerOutput, SamplingBatch
+from picovllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -163,6 +164,14 @@ def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Sampler:
+    def warm_up(self, vocab_size: int, device: torch.device) -> None:
+        """One draw under every sampling parameter: a GPU compiles the sampler's kernels here (one
+        of each serves every batch), before serving, not in a step."""
+        params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.05)
+        batch = SamplingBatch(["warm-up"], [params], [None], [1], [[0]], [[1]])
+        tensors = SamplingTensors.from_batch(batch, [None], vocab_size, set(), device)
+        self(torch.zeros(1, vocab_size, device=device), tensors)
+
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
