@@ -489,6 +489,7 @@ def test_no_step_compiles_a_sampler_kernel():
     penalties' lengths), top_k 1 to 50, seeded rows, compile nothing more, and each kernel ran."""
     from picovllm.kernels import penalties, sampling
 
+    _free_gpu()  # (an engine of a test before, gone)
     llm = LLM(**DUMMY_1P5B)
     kernels = [sampling._count_kernel, sampling._threshold_kernel, sampling._race_kernel, penalties._penalty_kernel]
 
