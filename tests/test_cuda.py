@@ -484,9 +484,9 @@ def test_launching_a_step_never_waits_for_the_device():
 
 
 def test_no_step_compiles_a_sampler_kernel():
-    """The engine compiles the sampler's kernels before serving (Sampler.warm_up), one of each for
-    every batch: steps under every sampling parameter, outputs growing step by step (the
-    penalties' lengths), top_k 1 to 50, seeded rows, compile nothing more, and each kernel ran."""
+    """The engine compiles the sampler's kernels before serving (Sampler.warm_up): one of each
+    after start-up, and still one of each after steps under every sampling parameter (outputs
+    growing step by step: the penalties' lengths; top_k 1 to 50; seeded rows; min_p alone)."""
     from picovllm.kernels import penalties, sampling
 
     _free_gpu()  # (an engine of a test before, gone)
