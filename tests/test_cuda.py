@@ -483,15 +483,19 @@ def test_launching_a_step_never_waits_for_the_device():
     _free_gpu()
 
 
-def test_no_step_compiles_a_sampler_kernel():
-    """The engine compiles the sampler's kernels before serving (Sampler.warm_up): one of each
-    after start-up, and still one of each after steps under every sampling parameter (outputs
-    growing step by step: the penalties' lengths; top_k 1 to 50; seeded rows; min_p alone)."""
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_step_compiles_a_sampler_kernel(enforce_eager):
+    """The engine compiles the sampler's kernels before serving (Sampler.warm_up, graphed or
+    eager): one of each after start-up, and still one of each after steps under every sampling
+    parameter (outputs growing step by step: the penalties' lengths; top_k 1 to 50; seeded rows;
+    min_p alone)."""
     from picovllm.kernels import penalties, sampling
 
     _free_gpu()  # (an engine of a test before, gone)
-    llm = LLM(**DUMMY_1P5B)
     kernels = [sampling._count_kernel, sampling._threshold_kernel, sampling._race_kernel, penalties._penalty_kernel]
+    for k in kernels:  # (what an engine of a test before compiled, forgotten)
+        k.device_caches.clear()
+    llm = LLM(**DUMMY_1P5B, enforce_eager=enforce_eager)
 
     def compiled() -> list[int]:
         return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]

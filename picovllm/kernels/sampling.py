@@ -122,8 +122,8 @@ def _threshold_kernel(values, temperature, top_k, top_p, min_p, counts, threshol
         within = 0  # (the values at or above the k-th)
         for start in range(0, width, TILE):
             cols = start + tl.arange(0, TILE)
-            v = tl.load(values + row * s_v + cols, mask=cols < width, other=-float("inf"))
-            total += tl.sum(tl.where(v >= lower, tl.exp((v - top) / t), 0.0), axis=0)
+            v, w = _kept_weights(values + row * s_v, cols, width, lower, top, t)
+            total += tl.sum(w, axis=0)
             within += tl.sum((v >= kth).to(tl.int32), axis=0)
         if has_counts:  # (ties with the k-th beyond the values, where top_k is what bounds the row)
             parts = tl.arange(0, CHUNKS)
@@ -135,13 +135,20 @@ def _threshold_kernel(values, temperature, top_k, top_p, min_p, counts, threshol
         first = width - 1
         for start in range(0, width, TILE):
             cols = start + tl.arange(0, TILE)
-            v = tl.load(values + row * s_v + cols, mask=cols < width, other=-float("inf"))
-            w = tl.where(v >= lower, tl.exp((v - top) / t), 0.0)
+            _, w = _kept_weights(values + row * s_v, cols, width, lower, top, t)
             reached = (tl.cumsum(w, axis=0) + run >= target) & (cols < width)
             first = tl.minimum(first, tl.min(tl.where(reached, cols, width - 1), axis=0))
             run += tl.sum(w, axis=0)
         lower = tl.maximum(lower, tl.load(values + row * s_v + first))
     tl.store(thresholds + row, lower)
+
+
+@triton.jit
+def _kept_weights(values, cols, width, lower, top, t):
+    """The values at cols of a row's largest (descending), and their probabilities relative to
+    the largest's (0 for those below lower)."""
+    v = tl.load(values + cols, mask=cols < width, other=-float("inf"))
+    return v, tl.where(v >= lower, tl.exp((v - top) / t), 0.0)
 
 
 @triton.jit(do_not_specialize=["has_threshold"])
@@ -203,13 +210,13 @@ def thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk
     else:  # (min_p alone: the row's maximum)
         values, width = logits.amax(dim=-1, keepdim=True), 1
     chunks = triton.cdiv(vocab, chunk)
-    counts = torch.empty((rows, chunks) if top_k is not None and top_p is not None and width < vocab else 1,
-                         dtype=torch.int32, device=logits.device)
-    if counts.dim() == 2:
+    count_ties = top_k is not None and top_p is not None and width < vocab  # (the k-th's ties beyond the values)
+    counts = torch.empty((rows, chunks) if count_ties else 1, dtype=torch.int32, device=logits.device)
+    if count_ties:
         _count_kernel[(rows, chunks)](logits, values, top_k, counts, logits.stride(0), values.stride(0), vocab,
                                       width, chunks, CHUNK=chunk, **pdl(logits))
     thresholds = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    asked = [int(v is not None) for v in (top_k, top_p, min_p)] + [int(counts.dim() == 2)]
+    asked = [int(v is not None) for v in (top_k, top_p, min_p)] + [int(count_ties)]
     # (a parameter the batch does not ask for: another tensor of its type in its place, never read)
     _threshold_kernel[(rows,)](
         values, temperature, top_k if top_k is not None else counts.new_empty(1, dtype=torch.int64),

@@ -80,6 +80,8 @@ class ModelRunner:
         if device.type == "cpu":
             pack_weights(self.model)
         self.sampler = Sampler()
+        if device.type == "cuda":  # (its kernels compiled before serving, graphed or eager)
+            self.sampler.warm_up(model_cfg.vocab_size, device)
         self.upload = Uploader(device)
         self.block_tables = BlockTables()
         self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None
@@ -156,9 +158,7 @@ class ModelRunner:
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, mixed_graph_tokens: int = 0) -> float:
         """Capture CUDA graphs (after the KV cache is bound: graphs keep its addresses): decode,
-        and mixed steps of up to mixed_graph_tokens tokens when it is > 0; the sampler's kernels
-        compiled too. Returns seconds."""
-        self.sampler.warm_up(self.model_cfg.vocab_size, self.device)
+        and mixed steps of up to mixed_graph_tokens tokens when it is > 0. Returns seconds."""
         self.graphs = DecodeGraphs(self.model, max_num_seqs, max_model_len, self.block_size, self.device)
         seconds = self.graphs.capture()
         if mixed_graph_tokens > 0:
