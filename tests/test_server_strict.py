@@ -149,6 +149,8 @@ def test_beyond_max_num_waiting_a_request_gets_503_and_retry_after(tiny_qwen):
         refused = asyncio.run(scenario())
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        # (the limit as this process holds it: with --api-server-count N, its share of --max-num-waiting)
+        assert refused.json()["error"]["message"].startswith("2 requests are waiting already (at most 2 in this ")
         assert "picovllm:request_rejected_total 1.0" in httpx.get(url + "/metrics").text
         deadline = time.monotonic() + 10
         while engine.num_open_requests and time.monotonic() < deadline:

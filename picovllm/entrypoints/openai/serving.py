@@ -173,7 +173,8 @@ class ServerState:
                 self.metrics.rejected.inc()
                 raise APIError(
                     503,
-                    f"{waiting} requests are waiting already (--max-num-waiting {self.max_num_waiting}): retry later",
+                    f"{waiting} requests are waiting already (at most {self.max_num_waiting} in this HTTP process: "
+                    "--max-num-waiting, split between --api-server-count processes): retry later",
                     "ServiceUnavailableError",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
