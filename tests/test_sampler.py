@@ -163,6 +163,16 @@ def test_penalties_at_the_seen_tokens_equal_them_over_the_vocabulary():
     assert torch.equal(logits, before)  # (the model's logits are left as they were)
 
 
+def test_penalties_change_the_choice_not_the_models_logits(draw_path):
+    """The penalties' kernel writes into the logits it is given: the sampler gives it a copy of
+    its own (the model's fp32 logits are left as they were)."""
+    logits = torch.tensor([[2.0, 1.5, 0.0, -1.0], [2.0, 1.5, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0)]
+    out = Sampler()(logits, _tensors([_req(params[0], prompt=[0]), _req(params[1], prompt=[0])], 4))
+    assert out.sampled.tolist() == [1, 0]  # (2.0 / 2 falls below 1.5 where the penalty is asked)
+    assert torch.equal(logits, torch.tensor([[2.0, 1.5, 0.0, -1.0], [2.0, 1.5, 0.0, -1.0]]))
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     sampler = Sampler()
     logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])

@@ -173,7 +173,8 @@ class Sampler:
         self(torch.zeros(1, vocab_size, device=device), tensors)
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        logits = logits.to(torch.float32, copy=True)  # (the sampler's own: written in place below)
+        # (a copy of its own where the bitmask or the penalties write into it; a bf16 model's is one anyway)
+        logits = logits.to(torch.float32, copy=t.bitmask is not None or t.repetition_penalty is not None)
         raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
         if t.bitmask is not None:  # (structured outputs: each row's grammar, engine/structured_output.py)
             from xgrammar import apply_token_bitmask_inplace
