@@ -22,7 +22,13 @@ import time
 
 def stand_in_engine(commands, outputs, tokenizer: str, step_s: float) -> None:
     """An engine process's messages without an engine: EngineReady, then an EngineCoreOutputs
-    every step_s with one token (ids cycling 100..249) for each request added and not finished."""
+    every step_s with one token for each request added and not finished: the ids of a text (the
+    json module's docstring, tokenized by the tokenizer given), in turn, so that the detokenizer sees what a
+    model writes (ids picked from the vocabulary's first bytes would each be a piece of a
+    character: nothing to show until it completes, a window that grows)."""
+    import json
+
+    from picovllm.engine.input_processor import load_tokenizer
     from picovllm.messages import (
         AbortRequest,
         AddRequest,
@@ -33,6 +39,7 @@ def stand_in_engine(commands, outputs, tokenizer: str, step_s: float) -> None:
         StopEngine,
     )
 
+    text_ids = load_tokenizer(tokenizer).encode(json.__doc__, add_special_tokens=False)
     metrics = {"num_running": 0, "num_waiting": 0, "kv_blocks_free": 1, "kv_blocks_cached": 0, "kv_blocks_total": 1}
     outputs.send(EngineReady(200_000, 4096, tokenizer, "both", 16, 5.0, {}, metrics, {}))
     left: dict[str, int] = {}  # request id -> tokens still to send
@@ -57,7 +64,7 @@ def stand_in_engine(commands, outputs, tokenizer: str, step_s: float) -> None:
             done = left[request_id] == 0
             if done:
                 del left[request_id]
-            delta = CompletionDelta(0, [100 + step % 150], None, "length" if done else None, None)
+            delta = CompletionDelta(0, [text_ids[step % len(text_ids)]], None, "length" if done else None, None)
             outs.append(EngineCoreOutput(request_id, [delta], done, 0, None, None))
         if outs:
             step += 1
