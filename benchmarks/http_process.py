@@ -23,9 +23,9 @@ import time
 def stand_in_engine(commands, outputs, tokenizer: str, step_s: float) -> None:
     """An engine process's messages without an engine: EngineReady, then an EngineCoreOutputs
     every step_s with one token for each request added and not finished: the ids of a text (the
-    json module's docstring, tokenized by the tokenizer given), in turn, so that the detokenizer sees what a
-    model writes (ids picked from the vocabulary's first bytes would each be a piece of a
-    character: nothing to show until it completes, a window that grows)."""
+    json module's docstring, tokenized by the tokenizer given), in turn, so that the detokenizer
+    sees what a model writes (ids picked from the vocabulary's first bytes would each be a piece
+    of a character: nothing to show until it completes, a window that grows)."""
     import json
 
     from picovllm.engine.input_processor import load_tokenizer
