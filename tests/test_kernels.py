@@ -575,6 +575,30 @@ def test_gemv_reads_fp8_weights_and_scales_its_rows(dtype, fusion):
     close(v_out, v_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_reads_every_e4m3_value(dtype):
+    """The FP8 GEMV converts the weight's bytes in registers: every finite e4m3 value, subnormals and
+    both zeros included, at every position of a row, against the values as torch converts them.
+    The input is e4m3 values already (its largest 448), so that its quantization leaves it as it
+    is and the sums are of exact products (Triton's interpreter rounds fp32 to e4m3 wrongly where
+    the rounding carries into the exponent, 126.2 to 64: triton-lang/triton#8322); the weight's
+    scale a power of two."""
+    from picovllm.model.layers.fp8 import FP8
+
+    g = torch.Generator().manual_seed(3)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F] + [0, 0x80], dtype=torch.uint8)
+    rows = torch.stack([finite[torch.randperm(256, generator=g)] for _ in range(24)])
+    w = rows.view(FP8).to(DEV)
+    x = finite[torch.randperm(256, generator=g)].view(FP8).float()
+    x[0] = 448.0
+    x = x[None].to(dtype).to(DEV)
+    scale = torch.full((24,), 2.0**-12, device=DEV)  # (fp16's outputs in range)
+    expect = x.double() @ w.double().t() * 2.0**-12
+    got = gemv_triton(x, w, weight_scale=scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expect, atol=TOL[dtype] * expect.abs().max().item(), rtol=TOL[dtype])
+
+
 def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch):
     """The whole engine on the Triton path, on CPU tensors in Triton's interpreter: chunked
     prompts mixed with decodes (a 32-token budget), so mixed steps send single-query sequences
