@@ -580,9 +580,7 @@ def test_gemv_reads_every_e4m3_value(dtype):
     """The FP8 GEMV converts the weight's bytes in registers: every finite e4m3 value, subnormals and
     both zeros included, at every position of a row, against the values as torch converts them.
     The input is e4m3 values already (its largest 448), so that its quantization leaves it as it
-    is and the sums are of exact products (Triton's interpreter rounds fp32 to e4m3 wrongly where
-    the rounding carries into the exponent, 126.2 to 64: triton-lang/triton#8322); the weight's
-    scale a power of two."""
+    is and the sums are of exact products; the weight's scale a power of two."""
     from picovllm.model.layers.fp8 import FP8
 
     g = torch.Generator().manual_seed(3)
