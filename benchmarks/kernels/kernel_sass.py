@@ -5,17 +5,24 @@ bf16); tiles as a warm prefix hit's mixed-step graph runs the prefill kernel (64
 tiles, 16 splits) and as a batch-1 decode step runs the decode kernel (32 splits of 32 keys).
 
 Usage: PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py
+       PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py gemv [BLOCK_N BLOCK_K WARPS]
+         a batch-1 step's GEMVs (kernels/gemv.py) at Qwen2.5-1.5B's projections, bf16 and FP8
+         weights, at the engine's tiles (or the ones given, for every projection): the instructions
+         a thread runs in one program (the loop's body times its trips) per weight element, and the
+         registers a thread holds. Where the instructions, not the weight's bytes, set a GEMV's
+         time, fewer per element is faster.
 Integer arguments are given as Triton would see them at launch: strides of 1 as constants, the
 others divisible by 16 (the block-table row stride is not specialised)."""
 
 import os
 import re
 import subprocess
+import sys
 
 import triton
 from compile_kernels import compile_sm90  # tests/compile_kernels.py
 
-from picovllm.kernels import decode_attention, prefill_attention
+from picovllm.kernels import decode_attention, gemv, prefill_attention
 
 ATTENTION_POINTERS = {
     "q": "*bf16",
@@ -28,10 +35,12 @@ ATTENTION_POINTERS = {
     "out": "*bf16",
     "part_acc": "*fp32",
     "part_ml": "*fp32",
+    "k_new": "*bf16",
+    "v_new": "*bf16",
     "part_m": "*fp32",
     "part_l": "*fp32",
 }
-UNIT_STRIDES = dict.fromkeys(("s_qd", "c_kd", "c_vd", "s_tw"), 1)  # (constants at launch)
+UNIT_STRIDES = dict.fromkeys(("s_qd", "c_kd", "c_vd", "s_tw", "s_nd"), 1)  # (constants at launch)
 KERNELS = {
     "prefill (warm hit, 64 x 32 tiles, 16 splits)": (
         prefill_attention._prefill_kernel,
@@ -45,6 +54,7 @@ KERNELS = {
             SPLITS=16,
             MIN_PART=64,
             USE_PDL=True,
+            NEW_KV=True,
         ),
         4,
     ),
@@ -113,5 +123,65 @@ def main() -> None:
         )
 
 
+GEMV_PROJECTIONS = {  # name: (output rows, K, norm, SiLU*mul, residual); qkv is the RoPE-and-store kernel
+    "qkv": (2048, 1536, True, False, False),
+    "o": (1536, 1536, False, False, True),
+    "gate_up": (8960, 1536, True, True, False),
+    "down": (1536, 8960, False, False, True),
+}
+
+
+def gemv_instructions(tiles: dict | None) -> None:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for fp8 in (False, True):
+        for name, (n, k, norm, silu, residual) in GEMV_PROJECTIONS.items():
+            qkv = name == "qkv"
+            cfg = gemv.gemv_config(1, n // 2 if qkv else n, k, norm, silu or qkv, fp8)
+            cfg.update(tiles or {})
+            warps = cfg.pop("num_warps")
+            pointers = {
+                p: "*bf16"
+                for p in ("x", "bias", "norm_weight", "residual", "out", "cos", "sin", "q_out", "k_cache", "v_cache")
+            }
+            pointers.update(weight="*fp8e4nv" if fp8 else "*bf16", weight_scale="*fp32", slot_mapping="*i64")
+            constants = dict(
+                HAS_BIAS=qkv, HAS_SCALE=fp8, ONE_TILE=k <= cfg["BLOCK_K"], USE_PDL=True, s_xk=1, s_wk=1, **cfg
+            )
+            if qkv:
+                constants.update(HALF=64, BLOCK_SIZE=16, c_kd=1, c_vd=1)
+            else:
+                constants.update(HAS_NORM=norm, HAS_RESIDUAL=residual, SILU_MUL=silu)
+            fn = gemv._qkv_rope_store_kernel if qkv else gemv._gemv_kernel
+            divisible = [a for a in fn.arg_names if a.startswith(("s_", "c_")) or a in ("K", "N", "up_offset")]
+            kernel = compile_sm90(
+                fn, pointers, constants, floats=("eps", "k_inv", "v_inv"), divisible=divisible, num_warps=warps
+            )
+            lines, labels = sass_lines(kernel)
+            loop = [
+                (labels[m.group(1)], a)
+                for a, t in lines
+                if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", t)) and labels.get(m.group(1), a) < a
+            ]
+            body = max((sum(start <= a <= end for a, _ in lines) for start, end in loop), default=0)
+            trips = -(-k // cfg["BLOCK_K"])
+            executed = len(lines) + (trips - 1) * body
+            rows = cfg["BLOCK_N"] * (2 if silu or qkv else 1)
+            path = f"/tmp/picovllm_{os.getpid()}.cubin"
+            with open(path, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+            os.remove(path)
+            registers = re.search(r"REG:(\d+)", usage).group(1)
+            print(
+                f"{'fp8' if fp8 else 'bf16'} {name:8s} {rows} rows x {cfg['BLOCK_K']} on {warps} warps: "
+                f"{executed * warps * 32 / (rows * k):5.2f} instructions per weight element "
+                f"({len(lines)} SASS, loop {body} x {trips}), {registers} registers"
+            )
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["gemv"]:
+        given = sys.argv[2:5]
+        gemv_instructions(dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), map(int, given))) if given else None)
+    else:
+        main()
