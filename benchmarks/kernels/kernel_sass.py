@@ -77,13 +77,30 @@ KERNELS = {
 }
 
 
-def sass_lines(kernel) -> list[tuple[int, str]]:
+def cubin_tool(kernel, tool: str, *args: str) -> str:
+    """What one of Triton's CUDA tools (nvdisasm, cuobjdump) prints for the kernel's cubin."""
     path = f"/tmp/picovllm_{os.getpid()}.cubin"
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
-    os.remove(path)
+    binary = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    try:
+        return subprocess.run([binary, *args, path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+
+
+def loop_bodies(lines: list[tuple[int, str]], labels: dict) -> list[int]:
+    """The instruction count of each loop (a branch back to an earlier label), smallest first."""
+    loops = [
+        (labels[m.group(1)], address)
+        for address, text in lines
+        if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(m.group(1), address) < address
+    ]
+    return sorted(sum(start <= a <= end for a, _ in lines) for start, end in loops)
+
+
+def sass_lines(kernel) -> list[tuple[int, str]]:
+    text = cubin_tool(kernel, "nvdisasm", "-c")
     out, labels = [], {}
     for line in text.splitlines():
         if m := re.match(r"^\.(L_x_\d+):", line):
@@ -104,12 +121,7 @@ def main() -> None:
             fn, ATTENTION_POINTERS, {**UNIT_STRIDES, **constants}, divisible=divisible, num_warps=warps, num_stages=2
         )
         lines, labels = sass_lines(kernel)
-        loops = [
-            (labels[m.group(1)], address)
-            for address, text in lines
-            if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(m.group(1), address) < address
-        ]
-        bodies = sorted(sum(start <= a <= end for a, _ in lines) for start, end in loops)
+        bodies = loop_bodies(lines, labels)
         calls = sorted(
             {
                 re.sub(r".*\$__internal_\d+_\$__cuda_sm\d+_", "", t).rstrip(")` ")
@@ -132,7 +144,6 @@ GEMV_PROJECTIONS = {  # name: (output rows, K, norm, SiLU*mul, residual); qkv is
 
 
 def gemv_instructions(tiles: dict | None) -> None:
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for fp8 in (False, True):
         for name, (n, k, norm, silu, residual) in GEMV_PROJECTIONS.items():
             qkv = name == "qkv"
@@ -157,21 +168,11 @@ def gemv_instructions(tiles: dict | None) -> None:
                 fn, pointers, constants, floats=("eps", "k_inv", "v_inv"), divisible=divisible, num_warps=warps
             )
             lines, labels = sass_lines(kernel)
-            loop = [
-                (labels[m.group(1)], a)
-                for a, t in lines
-                if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", t)) and labels.get(m.group(1), a) < a
-            ]
-            body = max((sum(start <= a <= end for a, _ in lines) for start, end in loop), default=0)
+            body = max(loop_bodies(lines, labels), default=0)
             trips = -(-k // cfg["BLOCK_K"])
             executed = len(lines) + (trips - 1) * body
             rows = cfg["BLOCK_N"] * (2 if silu or qkv else 1)
-            path = f"/tmp/picovllm_{os.getpid()}.cubin"
-            with open(path, "wb") as f:
-                f.write(kernel.asm["cubin"])
-            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
-            os.remove(path)
-            registers = re.search(r"REG:(\d+)", usage).group(1)
+            registers = re.search(r"REG:(\d+)", cubin_tool(kernel, "cuobjdump", "-res-usage")).group(1)
             print(
                 f"{'fp8' if fp8 else 'bf16'} {name:8s} {rows} rows x {cfg['BLOCK_K']} on {warps} warps: "
                 f"{executed * warps * 32 / (rows * k):5.2f} instructions per weight element "
