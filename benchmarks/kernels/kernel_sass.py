@@ -144,17 +144,15 @@ GEMV_PROJECTIONS = {  # name: (output rows, K, norm, SiLU*mul, residual); qkv is
 
 
 def gemv_instructions(tiles: dict | None) -> None:
+    activations = ("x", "bias", "norm_weight", "residual", "out", "cos", "sin", "q_out", "k_cache", "v_cache")
     for fp8 in (False, True):
+        pointers = dict.fromkeys(activations, "*bf16")
+        pointers.update(weight="*fp8e4nv" if fp8 else "*bf16", weight_scale="*fp32", slot_mapping="*i64")
         for name, (n, k, norm, silu, residual) in GEMV_PROJECTIONS.items():
             qkv = name == "qkv"
             cfg = gemv.gemv_config(1, n // 2 if qkv else n, k, norm, silu or qkv, fp8)
             cfg.update(tiles or {})
             warps = cfg.pop("num_warps")
-            pointers = {
-                p: "*bf16"
-                for p in ("x", "bias", "norm_weight", "residual", "out", "cos", "sin", "q_out", "k_cache", "v_cache")
-            }
-            pointers.update(weight="*fp8e4nv" if fp8 else "*bf16", weight_scale="*fp32", slot_mapping="*i64")
             constants = dict(
                 HAS_BIAS=qkv, HAS_SCALE=fp8, ONE_TILE=k <= cfg["BLOCK_K"], USE_PDL=True, s_xk=1, s_wk=1, **cfg
             )
