@@ -58,6 +58,20 @@ def test_split_keeps_blocks_with_the_part_they_end_in():
     tree.check_invariants()
 
 
+def test_edges_leave_the_garbage_collectors_view():
+    """The tree holds every cached token for as long as a server runs: each edge's tokens are out
+    of the collector's view after one collection (a list of them would be walked item by item
+    in every collection of its generation, however old), through splits too."""
+    import gc
+
+    tree = _tree_with(list(range(100, 140)), list(range(10)))
+    tree.insert(list(range(100, 122)) + [7] * 18, list(range(5)) + [20, 21, 22, 23, 24])  # splits at 22
+    gc.collect()
+    nodes = list(tree.nodes())
+    assert len(nodes) == 3 and not any(gc.is_tracked(n.tokens) for n in nodes)
+    tree.check_invariants()
+
+
 def test_split_at_block_boundary_and_at_edge_start():
     tree = _tree_with(list(range(12)), [1, 2, 3])
     leaf, _ = tree.insert(list(range(8)) + [90, 91, 92, 93], [1, 2, 4])

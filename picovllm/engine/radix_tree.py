@@ -16,6 +16,11 @@ a subtree at the root, the host-only part hangs below it. Eviction from the GPU 
 nodes with no child on the GPU, from the host nodes with no child at all or a GPU copy too; in
 each tier the order is its eviction policy's (eviction_policy.py). The tree knows nothing of
 block reference counts or copies: PrefixCache (prefix_cache.py) pairs it with the pools.
+
+An edge's tokens are a tuple, not a list: the tree holds every cached token for as long as the
+server runs, and the garbage collector walks each item of every list in the generation it
+collects (the engine's step waits), but stops looking at a tuple of ints after its first
+collection. A walk takes the tokens it follows as a tuple, once.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from picovllm.engine.eviction_policy import LRU
 class RadixNode:
     __slots__ = ("parent", "children", "tokens", "start", "blocks", "host", "copied", "lock_ref", "last_access")
 
-    def __init__(self, parent: RadixNode | None, tokens: list[int], start: int, blocks: list[int] | None):
+    def __init__(self, parent: RadixNode | None, tokens: tuple[int, ...], start: int, blocks: list[int] | None):
         self.parent = parent
         self.children: dict[int, RadixNode] = {}
         self.tokens = tokens
@@ -47,7 +52,7 @@ class RadixNode:
 class RadixTree:
     def __init__(self, block_size: int, gpu_policy=None, host_policy=None):
         self.block_size = block_size
-        self.root = RadixNode(None, [], 0, [])
+        self.root = RadixNode(None, (), 0, [])
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
         self.gpu_policy = gpu_policy or LRU()
@@ -61,19 +66,20 @@ class RadixTree:
     def match_prefix(self, tokens: list[int], limit: int | None = None) -> tuple[RadixNode, int]:
         """The deepest node the longest common prefix of tokens[:limit] reaches (possibly partway
         along its edge) and the prefix length in tokens. Touches the path for LRU."""
-        return self._walk(tokens, len(tokens) if limit is None else limit, split=False)
+        limit = len(tokens) if limit is None else limit
+        return self._walk(tuple(tokens[:limit]), split=False)
 
-    def _walk(self, tokens: list[int], limit: int, split: bool) -> tuple[RadixNode, int]:
-        """Follow tokens[:limit] down the tree, touching each node for LRU. Where the tokens leave
-        an edge partway, stop on that node, or (split=True) split the edge there and stop on the
-        new head, so that the returned node ends exactly where the match does."""
-        node, pos = self.root, 0
+    def _walk(self, key: tuple[int, ...], split: bool) -> tuple[RadixNode, int]:
+        """Follow key down the tree, touching each node for LRU. Where the key leaves an edge
+        partway, stop on that node, or (split=True) split the edge there and stop on the new head,
+        so that the returned node ends exactly where the match does."""
+        node, pos, limit = self.root, 0, len(key)
         now = next(self._clock)
         while pos < limit:
-            child = node.children.get(tokens[pos])
+            child = node.children.get(key[pos])
             if child is None:
                 break
-            n = _common_len(child.tokens, tokens, pos, limit)
+            n = _common_len(child.tokens, key, pos, limit)
             if n < len(child.tokens):
                 if not split:
                     child.last_access = now
@@ -114,7 +120,8 @@ class RadixTree:
         limit = len(tokens) if limit is None else limit
         bs = self.block_size
         assert len(blocks) >= limit // bs
-        node, pos = self._walk(tokens, limit, split=True)
+        key = tuple(tokens[:limit])
+        node, pos = self._walk(key, split=True)
         taken: list[int] = []
         for n in self.path(node) if self.num_host_blocks else ():  # (the host-only part, at its end)
             if n.blocks is None:
@@ -124,9 +131,9 @@ class RadixTree:
                 self.offer(n)
         if pos == limit:
             return node, taken
-        leaf = RadixNode(node, tokens[pos:limit], pos, blocks[pos // bs : limit // bs])
+        leaf = RadixNode(node, key[pos:limit], pos, blocks[pos // bs : limit // bs])
         leaf.last_access = next(self._clock)
-        node.children[tokens[pos]] = leaf
+        node.children[key[pos]] = leaf
         self.num_blocks += len(leaf.blocks)
         self.offer(leaf)
         return leaf, taken + leaf.blocks
@@ -281,7 +288,7 @@ def _tail(ids: list[int] | None, n: int) -> list[int] | None:
     return None if ids is None else ids[n:]
 
 
-def _common_len(edge: list[int], tokens: list[int], pos: int, limit: int) -> int:
+def _common_len(edge: tuple[int, ...], tokens: tuple[int, ...], pos: int, limit: int) -> int:
     """Length of the common prefix of edge and tokens[pos:limit], by slice comparisons (C speed):
     one when the whole edge matches, a binary search for the first mismatch otherwise."""
     n = min(len(edge), limit - pos)
