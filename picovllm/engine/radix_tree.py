@@ -73,13 +73,13 @@ class RadixTree:
         """Follow key down the tree, touching each node for LRU. Where the key leaves an edge
         partway, stop on that node, or (split=True) split the edge there and stop on the new head,
         so that the returned node ends exactly where the match does."""
-        node, pos, limit = self.root, 0, len(key)
+        node, pos = self.root, 0
         now = next(self._clock)
-        while pos < limit:
+        while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
                 break
-            n = _common_len(child.tokens, key, pos, limit)
+            n = _common_len(child.tokens, key, pos)
             if n < len(child.tokens):
                 if not split:
                     child.last_access = now
@@ -288,16 +288,16 @@ def _tail(ids: list[int] | None, n: int) -> list[int] | None:
     return None if ids is None else ids[n:]
 
 
-def _common_len(edge: tuple[int, ...], tokens: tuple[int, ...], pos: int, limit: int) -> int:
-    """Length of the common prefix of edge and tokens[pos:limit], by slice comparisons (C speed):
-    one when the whole edge matches, a binary search for the first mismatch otherwise."""
-    n = min(len(edge), limit - pos)
-    if (edge if n == len(edge) else edge[:n]) == tokens[pos : pos + n]:
+def _common_len(edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
+    """Length of the common prefix of edge and key[pos:], by slice comparisons (C speed): one
+    when the whole edge matches, a binary search for the first mismatch otherwise."""
+    n = min(len(edge), len(key) - pos)
+    if (edge if n == len(edge) else edge[:n]) == key[pos : pos + n]:
         return n
     lo, hi = 0, n  # edge[:lo] matches, edge[:hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if edge[lo:mid] == tokens[pos + lo : pos + mid]:
+        if edge[lo:mid] == key[pos + lo : pos + mid]:
             lo = mid
         else:
             hi = mid
