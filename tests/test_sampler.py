@@ -8,8 +8,9 @@ import torch
 from picovllm.engine.request import Request
 from picovllm.engine.step_launcher import sampling_batch
 from picovllm.kernels.penalties import apply_penalties_ref
-from picovllm.kernels.sampling import apply_min_p, apply_top_k_top_p
+from picovllm.kernels.sampling import apply_min_p, apply_top_k_top_p, sample
 from picovllm.sampling_params import SamplingParams
+from picovllm.worker import sampler as sampler_module
 from picovllm.worker.sampler import Sampler, SamplingTensors
 
 NEG = float("-inf")
@@ -211,6 +212,37 @@ def test_greedy_and_logprobs():
     torch.testing.assert_close(out.sampled_logprobs, raw.gather(1, out.sampled[:, None])[:, 0])
     assert out.sampled_ranks.tolist() == [1, 1]
     assert out.top_ids[0].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_models_logits_give_the_tokens_of_their_fp32_values(draw_path, dtype, monkeypatch):
+    """The argmax and the temperature's draw read a bf16 or fp16 model's logits as they are (no
+    fp32 copy): the same tokens as from the same values in fp32, beside min_tokens' bans and
+    allowed_token_ids; top_p takes the fp32 path."""
+    vocab = 300
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # (a tie: the first index wins in both)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.6, seed=1),
+        SamplingParams(temperature=1.3, seed=2),
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[int(logits[3].argmax())]),
+        SamplingParams(temperature=0.8, seed=3, allowed_token_ids=[5, 50, 250]),
+        SamplingParams(temperature=0.9, seed=4),
+    ]
+
+    def draw(rows: torch.Tensor, ps: list[SamplingParams]) -> list[int]:
+        gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in ps]
+        return Sampler()(rows, _tensors([_req(p) for p in ps], vocab, generators=gens)).sampled.tolist()
+
+    read = []  # (the dtype of each draw's logits)
+    monkeypatch.setattr(sampler_module, "sample", lambda x, *a: read.append(x.dtype) or sample(x, *a))
+    tokens = draw(logits, params)
+    assert tokens == draw(logits.float(), params)
+    assert tokens[0] == 7 and tokens[3] != int(logits[3].argmax()) and tokens[4] in (5, 50, 250)
+    top_p = [SamplingParams(temperature=1.0, top_p=0.5, seed=5)] * 6
+    assert draw(logits, top_p) == draw(logits.float(), top_p)
+    assert read == [dtype, torch.float32, torch.float32, torch.float32]
 
 
 def _sample_seq(params, others, steps=20, vocab=50):

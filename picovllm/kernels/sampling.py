@@ -179,7 +179,7 @@ def _race_kernel(logits, temperature, thresholds, seeds, keys, s_l, vocab, has_t
 @triton.jit
 def _best(row, cols, u, t, threshold, vocab):
     """The greatest key of these tokens of the row (-inf's score for those not kept)."""
-    x = tl.load(row + cols, mask=cols < vocab, other=-float("inf"))
+    x = tl.load(row + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
     kept = (cols < vocab) & (x >= threshold)
     score = tl.where(kept, x / t - tl.log(-tl.log(u)), -float("inf"))
     bits = score.to(tl.int32, bitcast=True)
@@ -246,8 +246,9 @@ def sample(
     max_top_k: int | None,
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
-    """One token a row (int64) drawn from fp32 logits; temperature is 1 on rows sampled greedily
-    beside them (their draw is not used)."""
+    """One token a row (int64) drawn from the logits (fp32 where a threshold is asked; else also
+    the model's bf16 or fp16, each value taken as its fp32 value); temperature is 1 on rows sampled
+    greedily beside them (their draw is not used)."""
     return (sample_triton if use_triton(logits) else sample_ref)(
         logits, temperature, top_k, top_p, min_p, max_top_k, generators
     )

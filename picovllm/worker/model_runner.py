@@ -81,7 +81,7 @@ class ModelRunner:
             pack_weights(self.model)
         self.sampler = Sampler()
         if device.type == "cuda":  # (its kernels compiled before serving, graphed or eager)
-            self.sampler.warm_up(model_cfg.vocab_size, device)
+            self.sampler.warm_up(model_cfg.vocab_size, device, dtype)
         self.upload = Uploader(device)
         self.block_tables = BlockTables()
         self._sampling_cache: tuple[SamplingBatch, SamplingTensors] | None = None

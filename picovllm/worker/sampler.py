@@ -164,24 +164,33 @@ def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class Sampler:
-    def warm_up(self, vocab_size: int, device: torch.device) -> None:
-        """One draw under every sampling parameter: a GPU compiles the sampler's kernels here (one
-        of each serves every batch), before serving, not in a step."""
-        params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.05)
-        batch = SamplingBatch(["warm-up"], [params], [None], [1], [[0]], [[1]])
-        tensors = SamplingTensors.from_batch(batch, [None], vocab_size, set(), device)
-        self(torch.zeros(1, vocab_size, device=device), tensors)
+    def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        """A draw under every sampling parameter (fp32 logits), and one under a temperature alone
+        (the model's dtype, `dtype`): a GPU compiles the sampler's kernels here (one of each serves
+        every batch), before serving, not in a step."""
+        for params in (
+            SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.05),
+            SamplingParams(temperature=0.7),
+        ):
+            batch = SamplingBatch(["warm-up"], [params], [None], [1], [[0]], [[1]])
+            tensors = SamplingTensors.from_batch(batch, [None], vocab_size, set(), device)
+            self(torch.zeros(1, vocab_size, dtype=dtype, device=device), tensors)
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        # (a copy of its own where the bitmask or the penalties write into it; a bf16 model's is one anyway)
-        logits = logits.to(torch.float32, copy=t.bitmask is not None or t.repetition_penalty is not None)
+        # fp32 where the logits are written (a grammar's bitmask, the penalties: into a copy of their
+        # own) or their sums and differences count (log-probabilities, biases, the top-k, top-p and
+        # min_p thresholds); the argmax and the temperature's draw read a bf16 or fp16 model's logits
+        # as they are, each value exactly its fp32 value, so the tokens are the same
+        writes = t.bitmask is not None or t.repetition_penalty is not None
+        if writes or any(x is not None for x in (t.max_logprobs, t.bias, t.top_k, t.top_p, t.min_p)):
+            logits = logits.to(torch.float32, copy=writes)
         raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
         if t.bitmask is not None:  # (structured outputs: each row's grammar, engine/structured_output.py)
             from xgrammar import apply_token_bitmask_inplace
 
             apply_token_bitmask_inplace(logits, t.bitmask)
         if t.banned is not None:
-            banned = logits.index_put(t.banned, torch.full((), _NEG_INF, device=logits.device))
+            banned = logits.index_put(t.banned, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
             if t.bitmask is not None:  # (a grammar that allows only stop tokens outranks min_tokens)
                 banned = torch.where(banned.amax(dim=-1, keepdim=True) == _NEG_INF, logits, banned)
             logits = banned
