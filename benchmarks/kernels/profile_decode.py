@@ -18,12 +18,15 @@ Usage: PYTHONPATH=. python benchmarks/kernels/profile_decode.py [BATCH] [graphs]
          is made of, before HTTP), the GPU and host time per step, and what the slowest steps carry;
          `serve BUDGET CLIENTS profile`: then the kernels of 50 more steps (PDL off);
          `serve BUDGET CLIENTS host`: then where the host time of 300 more steps goes (cProfile).
+       PYTHONPATH=. python benchmarks/kernels/profile_decode.py throughput
+         `picovllm bench throughput`'s workload, stepped by hand: its wall time by the kind of step
+         (with prompt tokens; decodes only, by batch), each kind's GPU and host time per step.
 
 Programmatic dependent launch is off here unless `pdl` ends the arguments: with it, each
 kernel starts while the previous one drains, so the kernels' times overlap and no longer add up
 to the step (2.19 ms of kernel time in a 1.50 ms step at batch 1). The wall times printed are
-without it too, except in `serve`, which runs the engine's defaults (PDL on) and reads no kernel
-times."""
+without it too, except in `serve` and `throughput`, which run the engine's defaults (PDL on) and read
+no kernel times."""
 
 import collections
 import gc
@@ -36,8 +39,8 @@ from torch.profiler import ProfilerActivity, profile
 from picovllm import LLM, SamplingParams
 from picovllm.kernels import triton_utils
 
-if (sys.argv[1:2] != ["serve"] or "profile" in sys.argv) and "pdl" not in sys.argv:
-    triton_utils.PDL = False  # (serve: the engine's defaults, PDL on; see above)
+if (sys.argv[1:2] not in (["serve"], ["throughput"]) or "profile" in sys.argv) and "pdl" not in sys.argv:
+    triton_utils.PDL = False  # (serve, throughput: the engine's defaults, PDL on; see above)
 
 STEPS = 10
 
@@ -192,30 +195,14 @@ def mixed(batch: int = 64, new: int = 448) -> None:
     report(prof, STEPS, "mixed step")
 
 
-def serve_steps(
-    budget: int = 128,
-    clients: int = 64,
-    profiled: bool = False,
-    host_profiled: bool = False,
-    steps: int = 1500,
-    warmup: int = 300,
-    model: str = "dummy:qwen2.5-1.5b",
-    device: str = "cuda",
-) -> list[tuple]:
-    llm = LLM(
-        model,
-        device=device,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=0.5,
-        max_num_seqs=clients,
-        max_num_batched_tokens=budget,
-    )
-    engine = llm.llm_engine
+def count_launches(engine) -> collections.deque:
+    """Wraps engine.launcher.launch: for each step launched, appends (decodes, prompt tokens,
+    launched ahead, prompts, one of them a first chunk, host ms of the launch, two CUDA events
+    around it) to the deque returned; steps return in launch order, so the engine's step pops
+    the oldest."""
     launched, launch = collections.deque(), engine.launcher.launch
 
-    def counted_launch(
-        batch, num_pending=0, pending_rows=None, before=None
-    ):  # what each launched step carries; steps return in launch order
+    def counted_launch(batch, num_pending=0, pending_rows=None, before=None):
         new = batch.num_new_tokens
         prompts = [r for r, n in zip(batch.requests, new) if n > 1]
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -238,6 +225,29 @@ def serve_steps(
         return step
 
     engine.launcher.launch = counted_launch
+    return launched
+
+
+def serve_steps(
+    budget: int = 128,
+    clients: int = 64,
+    profiled: bool = False,
+    host_profiled: bool = False,
+    steps: int = 1500,
+    warmup: int = 300,
+    model: str = "dummy:qwen2.5-1.5b",
+    device: str = "cuda",
+) -> list[tuple]:
+    llm = LLM(
+        model,
+        device=device,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=clients,
+        max_num_batched_tokens=budget,
+    )
+    engine = llm.llm_engine
+    launched = count_launches(engine)
     collections_started = [0]
 
     def on_gc(phase, info):
@@ -348,11 +358,65 @@ def serve_steps(
     return rows
 
 
+def throughput_steps(
+    model: str = "dummy:qwen2.5-1.5b", device: str = "cuda", num_prompts: int = 256, max_len: int = 1024
+) -> list[list]:
+    """`picovllm bench throughput`'s workload (its requests, lengths and seed) stepped by hand: where
+    its wall time goes, by the kind of step (carrying prompt tokens or decodes only, by batch)."""
+    import numpy as np
+
+    llm = LLM(model, device=device, skip_tokenizer_init=True, max_model_len=4 * max_len)
+    engine = llm.llm_engine
+    rng = np.random.default_rng(0)  # (bench/throughput.py's draws, in its order)
+    in_lens, out_lens = (rng.integers(100, max_len + 1, size=num_prompts) for _ in range(2))
+    vocab = min(engine.model_config.vocab_size, 30000)
+    prompts = [rng.integers(100, vocab, size=n).tolist() for n in in_lens]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
+    torch.cuda.synchronize()
+    launched = count_launches(engine)
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True))
+    rows, start = [], time.perf_counter()
+    last = start
+    while engine.has_unfinished_requests():
+        host = engine.host_time_s
+        engine.step()
+        now = time.perf_counter()
+        decodes, prompt_tokens, _, _, _, _, marks = launched.popleft()
+        rows.append([(now - last) * 1e3, decodes, prompt_tokens, (engine.host_time_s - host) * 1e3, marks])
+        last = now
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) * 1e3
+    for r in rows:
+        r[-1] = r[-1][0].elapsed_time(r[-1][1])
+    print(
+        f"throughput workload: {num_prompts} requests, {int(out_lens.sum())} output tokens in {wall / 1e3:.2f} s "
+        f"({out_lens.sum() / wall * 1e3:.0f} output tok/s), {len(rows)} steps; the steps' GPU spans "
+        f"(launch to end) {sum(r[-1] for r in rows) / wall:.1%} of the wall time"
+    )
+    kinds = [("with prompt tokens", lambda r: r[2] > 0)]
+    for lo, hi in ((1, 8), (9, 32), (33, 64), (65, 128), (129, 192), (193, 256)):
+        kinds.append((f"decodes only, {lo}-{hi}", lambda r, lo=lo, hi=hi: r[2] == 0 and lo <= r[1] <= hi))
+    for label, pick in kinds:
+        sel = [r for r in rows if pick(r)]
+        if sel:
+            k, span = len(sel), sum(r[0] for r in sel)
+            print(
+                f"  {label:24s} {k:5d} steps, {span / wall:6.1%} of the wall: ms a step {span / k:6.2f} "
+                f"(GPU {sum(r[4] for r in sel) / k:6.2f}, host {sum(r[3] for r in sel) / k:5.2f}), decodes "
+                f"{sum(r[1] for r in sel) / k:6.1f}, prompt tokens {sum(r[2] for r in sel) / k:6.1f}, "
+                f"{sum(r[1] for r in sel) / span:6.1f} decodes a ms"
+            )
+    return rows
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "prefix":
         warm_prefill(*(int(a) for a in sys.argv[2:4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "mixed":
         mixed(*(int(a) for a in sys.argv[2:4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "throughput":
+        throughput_steps()
     elif len(sys.argv) > 1 and sys.argv[1] == "serve":
         serve_steps(*(int(a) for a in sys.argv[2:4]), profiled="profile" in sys.argv, host_profiled="host" in sys.argv)
     else:
