@@ -158,7 +158,10 @@ def test_a_constrained_call_cut_off_is_answered_the_same_streamed_or_not(tiny_se
 
 @pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_time"}}])
 def test_streamed_tool_answers_carry_their_logprobs(tiny_server, choice):
-    """logprobs with tools: the stream's chunks carry each token's, as the whole answer does."""
+    """logprobs with tools: the stream's chunks carry each token's, as the whole answer does. (The
+    streamed request finds the first one's prompt in the prefix cache and computes only its tail:
+    on some CPUs a GEMM of fewer rows rounds differently, so its logprobs may differ in the last
+    bits; the tokens may not.)"""
     client = openai.OpenAI(base_url=tiny_server + "/v1", api_key="none", max_retries=0)
     kwargs = dict(
         model="tiny",
@@ -178,7 +181,8 @@ def test_streamed_tool_answers_carry_their_logprobs(tiny_server, choice):
         for chunk in client.chat.completions.create(**kwargs, stream=True)
         for t in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])
     ]
-    assert len(expected) > 3 and streamed == expected
+    assert len(expected) > 3 and [(t, top) for t, _, top in streamed] == [(t, top) for t, _, top in expected]
+    assert [lp for _, lp, _ in streamed] == pytest.approx([lp for _, lp, _ in expected], abs=1e-4)
 
 
 @pytest.mark.parametrize(
