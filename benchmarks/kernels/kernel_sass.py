@@ -2,7 +2,8 @@
 SASS instruction count of each kernel and of its loops, and the calls it makes (64-bit integer
 division is a call). Shapes: Qwen2.5-1.5B's (12 query heads of 128 over 2 KV heads, block size 16,
 bf16); tiles as a warm prefix hit's mixed-step graph runs the prefill kernel (64 queries, 32-key
-tiles, 16 splits) and as a batch-1 decode step runs the decode kernel (32 splits of 32 keys).
+tiles, 16 splits) and as a batch-1 decode step runs the decode kernel (32 splits of 32 keys), the
+latter also over an FP8 (e4m3) cache.
 
 Usage: PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py
        PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py gemv [BLOCK_N BLOCK_K WARPS]
@@ -41,6 +42,20 @@ ATTENTION_POINTERS = {
     "part_l": "*fp32",
 }
 UNIT_STRIDES = dict.fromkeys(("s_qd", "c_kd", "c_vd", "s_tw", "s_nd"), 1)  # (constants at launch)
+DECODE = dict(
+    BLOCK_SIZE=16,
+    HEAD_DIM=128,
+    SPLITS=32,
+    BLOCK_N=32,
+    BLOCK_G=16,
+    BLOCK_D=128,
+    MIN_PART=32,
+    PRECISION="tf32",
+    MIXED=False,
+    USE_PDL=True,
+)
+FP8_CACHE = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
+# name: (kernel, constants, warps, stages (as the engine launches it), pointer types unlike ATTENTION_POINTERS')
 KERNELS = {
     "prefill (warm hit, 64 x 32 tiles, 16 splits)": (
         prefill_attention._prefill_kernel,
@@ -57,23 +72,11 @@ KERNELS = {
             NEW_KV=True,
         ),
         4,
+        2,
+        {},
     ),
-    "decode (batch 1, 32 splits)": (
-        decode_attention._decode_partition_kernel,
-        dict(
-            BLOCK_SIZE=16,
-            HEAD_DIM=128,
-            SPLITS=32,
-            BLOCK_N=32,
-            BLOCK_G=16,
-            BLOCK_D=128,
-            MIN_PART=32,
-            PRECISION="tf32",
-            MIXED=False,
-            USE_PDL=True,
-        ),
-        4,
-    ),
+    "decode (batch 1, 32 splits)": (decode_attention._decode_partition_kernel, DECODE, 4, 3, {}),
+    "decode (batch 1, 32 splits), an FP8 cache": (decode_attention._decode_partition_kernel, DECODE, 4, 3, FP8_CACHE),
 }
 
 
@@ -115,10 +118,15 @@ def sass_lines(kernel) -> list[tuple[int, str]]:
 
 
 def main() -> None:
-    for name, (fn, constants, warps) in KERNELS.items():
+    for name, (fn, constants, warps, stages, pointers) in KERNELS.items():
         divisible = [n for n in fn.arg_names if n not in ("s_tb", "scale", "group")]
         kernel = compile_sm90(
-            fn, ATTENTION_POINTERS, {**UNIT_STRIDES, **constants}, divisible=divisible, num_warps=warps, num_stages=2
+            fn,
+            {**ATTENTION_POINTERS, **pointers},
+            {**UNIT_STRIDES, **constants},
+            divisible=divisible,
+            num_warps=warps,
+            num_stages=stages,
         )
         lines, labels = sass_lines(kernel)
         bodies = loop_bodies(lines, labels)
