@@ -363,19 +363,16 @@ def throughput_steps(
 ) -> list[list]:
     """`picovllm bench throughput`'s workload (its requests, lengths and seed) stepped by hand: where
     its wall time goes, by the kind of step (carrying prompt tokens or decodes only, by batch)."""
-    import numpy as np
+    from picovllm.bench.throughput import workload
 
     llm = LLM(model, device=device, skip_tokenizer_init=True, max_model_len=4 * max_len)
     engine = llm.llm_engine
-    rng = np.random.default_rng(0)  # (bench/throughput.py's draws, in its order)
-    in_lens, out_lens = (rng.integers(100, max_len + 1, size=num_prompts) for _ in range(2))
-    vocab = min(engine.model_config.vocab_size, 30000)
-    prompts = [rng.integers(100, vocab, size=n).tolist() for n in in_lens]
+    prompts, params = workload(engine.model_config.vocab_size, num_prompts, 100, max_len)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
     torch.cuda.synchronize()
     launched = count_launches(engine)
-    for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True))
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
     rows, start = [], time.perf_counter()
     last = start
     while engine.has_unfinished_requests():
@@ -389,9 +386,10 @@ def throughput_steps(
     wall = (time.perf_counter() - start) * 1e3
     for r in rows:
         r[-1] = r[-1][0].elapsed_time(r[-1][1])
+    tokens = sum(sp.max_tokens for sp in params)
     print(
-        f"throughput workload: {num_prompts} requests, {int(out_lens.sum())} output tokens in {wall / 1e3:.2f} s "
-        f"({out_lens.sum() / wall * 1e3:.0f} output tok/s), {len(rows)} steps; the steps' GPU spans "
+        f"throughput workload: {num_prompts} requests, {tokens} output tokens in {wall / 1e3:.2f} s "
+        f"({tokens / wall * 1e3:.0f} output tok/s), {len(rows)} steps; the steps' GPU spans "
         f"(launch to end) {sum(r[-1] for r in rows) / wall:.1%} of the wall time"
     )
     kinds = [("with prompt tokens", lambda r: r[2] > 0)]

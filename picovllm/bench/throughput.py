@@ -11,17 +11,27 @@ from picovllm.bench.common import print_json, print_table, sync
 from picovllm.sampling_params import SamplingParams
 
 
+def workload(
+    vocab_size: int, num_prompts: int, min_len: int, max_len: int, seed: int = 0
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The requests' prompt token ids and sampling parameters: lengths uniform in [min_len,
+    max_len], random tokens, temperature 0.6, ignore_eos (also benchmarks/kernels/profile_decode.py
+    throughput's)."""
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(min_len, max_len + 1, size=num_prompts)
+    out_lens = rng.integers(min_len, max_len + 1, size=num_prompts)
+    vocab = min(vocab_size, 30000)
+    prompts = [rng.integers(100, vocab, size=n).tolist() for n in in_lens]
+    return prompts, [SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True) for n in out_lens]
+
+
 def run_throughput(llm_kwargs: dict, num_prompts: int, min_len: int, max_len: int, seed: int = 0) -> dict:
     from picovllm import LLM
 
     llm = LLM(**llm_kwargs, skip_tokenizer_init=True)
     engine = llm.llm_engine
-    rng = np.random.default_rng(seed)
-    in_lens = rng.integers(min_len, max_len + 1, size=num_prompts)
-    out_lens = rng.integers(min_len, max_len + 1, size=num_prompts)
-    vocab = min(engine.model_config.vocab_size, 30000)
-    prompts = [{"prompt_token_ids": rng.integers(100, vocab, size=n).tolist()} for n in in_lens]
-    params = [SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True) for n in out_lens]
+    ids, params = workload(engine.model_config.vocab_size, num_prompts, min_len, max_len, seed)
+    prompts = [{"prompt_token_ids": p} for p in ids]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     sync(engine.device)
     start = time.perf_counter()
@@ -34,7 +44,7 @@ def run_throughput(llm_kwargs: dict, num_prompts: int, min_len: int, max_len: in
         "requests": num_prompts,
         "seconds": elapsed,
         "output_tok_s": generated / elapsed,
-        "total_tok_s": (generated + int(in_lens.sum())) / elapsed,
+        "total_tok_s": (generated + sum(map(len, ids))) / elapsed,
         "preemptions": engine.scheduler.num_preemptions,
     }
     print_table(
