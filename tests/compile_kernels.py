@@ -72,9 +72,10 @@ def main(dt: str) -> None:
           for one_tile in (False, True) for scale in (False, True)],
         (fp8_gemm._per_token_fp8_kernel, dict(BLOCK_K=2048),
          {"out": "*fp8e4nv", "scale": "*fp32"}),
-        *[(fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128),
-           {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32"})
-          for block_m in (16, 64)],  # (64: Hopper's wgmma)
+        *[(fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, SPLIT=split, BLOCK_M=block_m,
+                                            BLOCK_N=32, BLOCK_K=128),
+           {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32", "partial": "*fp32", "arrivals": "*i32"})
+          for block_m in (16, 64) for split in (False, True)],  # (64: Hopper's wgmma)
         (sampling._count_kernel, dict(CHUNK=2048), sampler),
         (sampling._threshold_kernel, dict(TILE=1024, CHUNKS=128), sampler),
         (sampling._race_kernel, dict(CHUNK=2048), sampler),

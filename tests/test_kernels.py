@@ -386,11 +386,14 @@ def test_per_token_fp8(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fusion", ["plain", "bias", "residual"])
 @pytest.mark.parametrize("m", [37, 265])
-def test_fp8_gemm(dtype, fusion, m):
-    """An FP8 weight at more rows (kernels/fp8_gemm.py) at the engine's tiles: e4m3 activations with
-    a scale per token, tokens of a tile's awkward share (M = 37 and 265 in 16-row tiles, N and K not
-    multiples of the tiles), against the reference; tokens and rows of very different magnitudes,
-    so that a scale applied to the wrong one shows."""
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fp8_gemm(dtype, fusion, m, split_k):
+    """An FP8 weight at more rows (kernels/fp8_gemm.py): e4m3 activations with a scale per token,
+    tokens of a tile's awkward share (M = 37 and 265 in 16-row tiles, N and K not multiples of the
+    tiles), against the reference; tokens and rows of very different magnitudes, so that a scale
+    applied to the wrong one shows. split_k 3: K shared by three programs a tile (the last of a
+    K that is not a multiple of the split), the last to arrive adding them up; run twice, so that
+    the tiles' counters are shown back at zero for the next call."""
     from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_ref
     from picovllm.model.layers.fp8 import quantize_fp8
 
@@ -403,13 +406,13 @@ def test_fp8_gemm(dtype, fusion, m):
     bias = torch.randn(n, generator=g).to(dtype).to(DEV) if fusion == "bias" else None
     residual = torch.randn(m, n, generator=g).to(dtype).to(DEV) if fusion == "residual" else None
     expect = fp8_gemm_ref(a, a_scale, wq, w_scale, bias, residual, dtype)
-    got = fp8_gemm_triton(
-        a, a_scale, wq, w_scale, bias, residual, dtype, config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
-    )
-    assert got.shape == (m, n) and got.dtype == dtype
-    torch.testing.assert_close(
-        got.float(), expect.float(), atol=TOL[dtype] * expect.abs().max().item(), rtol=TOL[dtype]
-    )
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, SPLIT_K=split_k)
+    for _ in range(2):
+        got = fp8_gemm_triton(a, a_scale, wq, w_scale, bias, residual, dtype, config=config)
+        assert got.shape == (m, n) and got.dtype == dtype
+        torch.testing.assert_close(
+            got.float(), expect.float(), atol=TOL[dtype] * expect.abs().max().item(), rtol=TOL[dtype]
+        )
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="cuBLAS's FP8 GEMM: the GPU's")

@@ -11,7 +11,8 @@ replayed from a CUDA graph (GPU only), in us per call:
 
 Usage: PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py [ROWS ...]  (default: 1 2 4 8 16 32 64 128 256 2048)
        PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py sweep [ROWS ...]  (default: 8 128)
-         fp8_gemm's tiles swept, the best four per projection and row count
+         fp8_gemm's tiles swept (tokens, weight rows and depth a tile, stages, warps, the split
+         of K), the best six per projection and row count, and the best's error
        PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py accuracy
          fp8_gemm's error by token tile against fp32 sums of the same operands (max |out - ref| /
          max |ref|), with fp32 and bf16 outputs"""
@@ -21,6 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from benchmarks.kernels.gemv_sweep import SHAPES, bench
 from picovllm.kernels.fp8_gemm import fp8_gemm_config, fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_triton
@@ -72,27 +74,40 @@ def main(row_counts: list[int]) -> None:
 
 def sweep(row_counts: list[int]) -> None:
     dt = torch.bfloat16
-    for name in PROJECTIONS:
+    for name in ("down", "gate_up", "qkv", "o"):  # (the largest losses first)
         weights, quantized = _weights(name)
         n, k = SHAPES[name]
         for rows in row_counts:
             a, a_scale = per_token_fp8_triton(torch.randn(rows, k, device="cuda", dtype=dt))
             results = []
-            block_m = max(16, min(64, next_pow2(rows)))
-            for bn, bk, stages in itertools.product((16, 32, 64), (128, 256, 512), (3, 5)):
-                cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=stages)
-                try:
-                    t = bench(
-                        lambda: [fp8_gemm_triton(a, a_scale, q, s, None, None, dt, cfg) for q, s in quantized], 3, 3
-                    )
-                except Exception:  # (shared memory)
+            block_ms = sorted({max(16, min(64, next_pow2(rows))), max(16, min(128, next_pow2(rows)))})
+            for block_m, bn, bk, stages, warps in itertools.product(block_ms, (16, 32, 64, 128), (128, 256, 512),
+                                                                     (3, 4), (4, 8)):
+                if (warps == 8 and block_m * bn < 128 * 64) or (bk == 512 and block_m * bn > 64 * 32):
                     continue
-                results.append((t / LAYERS * 1e6, cfg))
+                for split in (1, 2, 4, 8):
+                    if split > 1 and triton.cdiv(n, bn) * triton.cdiv(rows, block_m) * split > 132 * 6:
+                        continue
+                    cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                               SPLIT_K=split)
+                    try:
+                        t = bench(
+                            lambda: [fp8_gemm_triton(a, a_scale, q, s, None, None, dt, cfg) for q, s in quantized],
+                            3, 3,
+                        )
+                    except Exception:  # (shared memory)
+                        break
+                    results.append((t / LAYERS * 1e6, cfg))
             results.sort(key=lambda r: r[0])
             best = "; ".join(
-                f"{t:.2f} bn={c['BLOCK_N']} bk={c['BLOCK_K']} st={c['num_stages']}" for t, c in results[:4]
+                f"{t:.2f} bm={c['BLOCK_M']} bn={c['BLOCK_N']} bk={c['BLOCK_K']} st={c['num_stages']} "
+                f"w={c['num_warps']} split={c['SPLIT_K']}" for t, c in results[:6]
             )
-            print(f"{name:8s} rows={rows:5d} default {fp8_gemm_config(rows, n, k)} | best {best}", flush=True)
+            q, s = quantized[0]
+            ref = fp8_gemm_ref(a, a_scale, q, s, None, None, torch.float32)
+            err = (fp8_gemm_triton(a, a_scale, q, s, None, None, dt, results[0][1]).float() - ref).abs().max()
+            print(f"{name:8s} rows={rows:5d} default {fp8_gemm_config(rows, n, k)} | best {best} "
+                  f"(the best's error against fp32 sums {err / ref.abs().max():.1e})", flush=True)
 
 
 def accuracy() -> None:

@@ -7,12 +7,15 @@ with a scale per row of each operand.
 - fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32
   (on every tile), the scales, bias and residual in the epilogue (rounded as the unfused ops
   round: the output to the model dtype, then the residual sum). Each program streams BLOCK_N
-  weight rows over all of K for BLOCK_M tokens; at decode's few tokens the weight's bytes set
-  the time, so the tiles keep enough programs in flight (fp8_gemm_config).
+  weight rows over BLOCK_M tokens, over all of K or, for a deep weight, its share of K (SPLIT_K
+  programs a tile, the last to finish adding them up); at decode's few tokens the weight's bytes
+  set the time, so the tiles keep enough programs in flight (fp8_gemm_config).
 - fp8_linear: the two, or past SCALED_MM_MIN_ROWS tokens in bf16 (prompts) cuBLAS's FP8 GEMM
   (torch._scaled_mm), which measured faster there (benchmarks/kernels/fp8_gemm.py).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -20,6 +23,7 @@ from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, 
 from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
 SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
+MAX_TILES = 8192  # (a split GEMM's tiles: _arrivals)
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # (vLLM's floor: an all-zero row gets this scale and zeros)
 
 
@@ -85,26 +89,10 @@ def fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, w
 
 
 @triton.jit
-def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, M, N, K, s_am, s_wn, s_rm, s_om,
-                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _fp8_epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om,
+                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The fp32 sums scaled, the bias and the residual added, stored in the output's dtype."""
     dt = out.dtype.element_ty
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    nmask = n < N
-    mmask = m < M
-    w_scale = tl.load(weight_scale + n, mask=nmask, other=0.0)
-    pdl_wait(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
-        at = tl.load(a + m[:, None] * s_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        wt = tl.load(weight + n[None, :] * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
-        # Hopper's 64-token FP8 tiles (wgmma) add in less than fp32's precision, and Triton's
-        # default on sm_90 never promotes them: greedy tokens then drift from the reference. Each
-        # instruction's 32 products go to the fp32 sum.
-        acc = tl.dot(at, wt, acc, max_num_imprecise_acc=32)
     acc *= tl.load(a_scale + m, mask=mmask, other=0.0)[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -116,33 +104,102 @@ def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, M, N
     tl.store(out + m[:, None] * s_om + n[None, :], y, mask=omask)
 
 
+@triton.jit
+def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial, arrivals, M, N, K, k_per_split,
+                     s_am, s_wn, s_rm, s_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    nmask = n < N
+    mmask = m < M
+    w_scale = tl.load(weight_scale + n, mask=nmask, other=0.0)
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    pdl_wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < k_end
+        at = tl.load(a + m[:, None] * s_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        wt = tl.load(weight + n[None, :] * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        # Hopper's 64-token FP8 tiles (wgmma) add in less than fp32's precision, and Triton's
+        # default on sm_90 never promotes them: greedy tokens then drift from the reference. Each
+        # instruction's 32 products go to the fp32 sum.
+        acc = tl.dot(at, wt, acc, max_num_imprecise_acc=32)
+    if not SPLIT:
+        _fp8_epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om, HAS_BIAS,
+                      HAS_RESIDUAL)
+    else:
+        # Each split's sums to the workspace; the last split of the tile to arrive adds them all, in
+        # split order (the same result whichever arrives last), and resets the tile's counter.
+        omask = mmask[:, None] & nmask[None, :]
+        mn = m[:, None] * N + n[None, :]
+        tl.store(partial + tl.program_id(2) * M * N + mn, acc, mask=omask)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(arrivals + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(tl.num_programs(2)):
+                acc += tl.load(partial + s * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals + tile, 0)
+            _fp8_epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om, HAS_BIAS,
+                          HAS_RESIDUAL)
+
+
+@functools.cache
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """The split GEMM's arrival counters, one a tile, zero between calls (each call's last split
+    resets its tile's): allocated once per device, before any CUDA graph's capture."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
 def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     """Tiles for m tokens of an [n, k] FP8 weight: all of them in one tile up to 64 (the weight read
-    once), and narrow weight tiles, 16 rows for a weight of at most 2,048 (so that the down
-    projection's 1,536 rows make 96 programs), 32 beyond. Chosen from a sweep at 8 and 128 rows
-    (benchmarks/kernels/fp8_gemm.py sweep). exact: at most 32 tokens a tile. Hopper's 64-token
-    FP8 tiles (wgmma) sum, even promoted every 32 products, less exactly than fp32 (the error in
-    benchmarks/README.md's FP8 section): below the rounding of a bf16 or fp16 output, not of an
-    fp32 one; smaller tiles sum in fp32 (mma)."""
+    once), and narrow weight tiles, 16 rows for a weight of at most 2,048, 32 beyond; a weight at
+    least four times deeper than it has rows (the down projection: 1,536 rows, 8,960 deep) has its
+    K split over 8 programs a tile up to 32 tokens, 4 beyond (else its 1,536 rows make 96-192
+    programs). Chosen from sweeps at 8, 64, 128 and 256 rows (benchmarks/kernels/fp8_gemm.py sweep).
+    exact: at most 32 tokens a tile. Hopper's 64-token FP8 tiles (wgmma) sum, even promoted every
+    32 products, less exactly than fp32 (the error in benchmarks/README.md's FP8 section): below the
+    rounding of a bf16 or fp16 output, not of an fp32 one; smaller tiles sum in fp32 (mma)."""
     block_m = max(16, min(32 if exact else 64, next_pow2(m)))
-    if block_m == 64:  # (the sweep at 128 rows: 512-deep tiles, the wide gate_up 64 rows by 128)
-        wide = n > 2048
+    deep = k >= 4 * n
+    if block_m == 64:
+        if deep:
+            few = m <= 128
+            return dict(BLOCK_M=64, BLOCK_N=32 if few else 64, BLOCK_K=256 if few else 128, num_warps=4,
+                        num_stages=3 if few else 4, SPLIT_K=4)
+        wide = n > 2048  # (the sweep at 128 rows: 512-deep tiles, the wide gate_up 64 rows by 128)
         return dict(BLOCK_M=64, BLOCK_N=64 if wide else 32, BLOCK_K=128 if wide else 512, num_warps=4, num_stages=3)
+    if deep:
+        return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=8)
     return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
 
 
 def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, residual: torch.Tensor | None, dtype: torch.dtype,
                     config: dict | None = None) -> torch.Tensor:
+    """config: the tiles (fp8_gemm_config's), and SPLIT_K, how many programs share each tile's K
+    (1 when not given)."""
     m, k = a.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=dtype, device=a.device)
-    cfg = config or fp8_gemm_config(m, n, k, exact=dtype == torch.float32)
+    cfg = dict(config or fp8_gemm_config(m, n, k, exact=dtype == torch.float32))
+    block_k = cfg["BLOCK_K"]
+    split = min(cfg.pop("SPLIT_K", 1), triton.cdiv(k, block_k))
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    split = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    if split > 1:
+        assert grid[0] * grid[1] <= MAX_TILES, f"{grid[0] * grid[1]} tiles, more than {MAX_TILES}"
+        partial, arrivals = torch.empty((split, m, n), dtype=torch.float32, device=a.device), _arrivals(a.device)
+    else:
+        partial = arrivals = out
     res = residual if residual is not None else out
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    _fp8_gemm_kernel[grid](a, a_scale, weight, weight_scale, bias if bias is not None else out, res, out, m, n, k,
-                           a.stride(0), weight.stride(0), res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                           HAS_RESIDUAL=residual is not None, **cfg, **pdl(a))
+    _fp8_gemm_kernel[grid](a, a_scale, weight, weight_scale, bias if bias is not None else out, res, out, partial,
+                           arrivals, m, n, k, k_per_split, a.stride(0), weight.stride(0), res.stride(0),
+                           out.stride(0), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                           SPLIT=split > 1, **cfg, **pdl(a))
     return out
 
 
