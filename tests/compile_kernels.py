@@ -70,8 +70,8 @@ def main(dt: str) -> None:
                                              BLOCK_N=2, BLOCK_K=2048, ONE_TILE=one_tile),
            {**fp8, **fp8_cache} if scale else {})
           for one_tile in (False, True) for scale in (False, True)],
-        (fp8_gemm._per_token_fp8_kernel, dict(BLOCK_K=2048),
-         {"out": "*fp8e4nv", "scale": "*fp32"}),
+        *[(fp8_gemm._per_token_fp8_kernel, dict(HAS_NORM=norm, BLOCK_K=2048),
+           {"out": "*fp8e4nv", "scale": "*fp32", "norm_weight": p}) for norm in (False, True)],
         *[(fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, SPLIT=split, BLOCK_M=block_m,
                                             BLOCK_N=32, BLOCK_K=128),
            {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32", "partial": "*fp32", "arrivals": "*i32"})

@@ -3,7 +3,8 @@ dynamic scheme, the activations quantized per token, then a GEMM on Hopper's FP8
 with a scale per row of each operand.
 
 - per_token_fp8_triton: vLLM's dynamic per-token scaled_fp8_quant: each row scaled so that its largest
-  magnitude is e4m3's largest; one program a row.
+  magnitude is e4m3's largest; one program a row, which norms the row first when the layer takes
+  its input's RMSNorm (the norm's own kernel spared).
 - fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32
   (on every tile), the scales, bias and residual in the epilogue (rounded as the unfused ops
   round: the output to the model dtype, then the residual sum). Each program streams BLOCK_N
@@ -19,6 +20,7 @@ import functools
 
 import torch
 
+from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
 from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
@@ -56,23 +58,34 @@ def to_fp8(xv, inv_scale):
 
 
 @triton.jit
-def _per_token_fp8_kernel(x, out, scale, K, s_xm, s_om, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _per_token_fp8_kernel(x, norm_weight, out, scale, K, s_xm, s_om, eps, HAS_NORM: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     m = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     mask = k < K
+    if HAS_NORM:
+        w = tl.load(norm_weight + k, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     xv = tl.load(x + m * s_xm + k, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # (kernels/rms_norm.py's arithmetic and roundings)
+        dt = x.dtype.element_ty
+        normed = (xv * (1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / K + eps))).to(dt)
+        xv = (w * normed.to(tl.float32)).to(dt).to(tl.float32)
     s = fp8_row_scale(tl.max(tl.abs(xv), axis=0))
     tl.store(out + m * s_om + k, to_fp8(xv, 1.0 / s), mask=mask)
     tl.store(scale + m, s)
 
 
-def per_token_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_fp8_triton(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_fp8_ref's, of rms_norm(x, norm_weight, eps) when norm_weight is given (the norm
+    in the same kernel)."""
     rows, k = x.shape
     out = torch.empty((rows, k), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     block = next_pow2(k)
-    _per_token_fp8_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block,
+    _per_token_fp8_kernel[(rows,)](x, norm_weight if norm_weight is not None else x, out, scale, k, x.stride(0),
+                                   out.stride(0), eps, HAS_NORM=norm_weight is not None, BLOCK_K=block,
                                    num_warps=min(16, max(1, block // 512)), **pdl(x))
     return out, scale
 
@@ -204,13 +217,17 @@ def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               residual: torch.Tensor | None) -> torch.Tensor:
+               residual: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> torch.Tensor:
     """residual + x @ (weight * weight_scale).T + bias, the activations quantized per token: on the
     GPU fp8_gemm, or cuBLAS's from SCALED_MM_MIN_ROWS rows in bf16 (its scales per row need a bf16
-    output); elsewhere the reference."""
+    output); elsewhere the reference. norm_weight: x's RMSNorm first (with eps), in the kernel
+    that quantizes it."""
     if not use_triton(x) or x.dim() != 2:
+        if norm_weight is not None:
+            x = rms_norm_ref(x, norm_weight, eps)
         return fp8_gemm_ref(*per_token_fp8_ref(x), weight, weight_scale, bias, residual, x.dtype)
-    a, a_scale = per_token_fp8_triton(x)
+    a, a_scale = per_token_fp8_triton(x, norm_weight, eps)
     if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= SCALED_MM_MIN_ROWS:
         y = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale[None, :], bias=bias,
                              out_dtype=x.dtype)

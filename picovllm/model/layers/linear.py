@@ -57,13 +57,14 @@ def linear(
             silu_mul,
             weight_scale=weight_scale,
         )
+    if weight_scale is not None:  # FP8, the activations normed and quantized per token (kernels/fp8_gemm.py)
+        normed = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        if not silu_mul:
+            return fp8_linear(x, weight, weight_scale, bias, residual, *normed)
+        y = silu_mul_op(fp8_linear(x, weight, weight_scale, bias, None, *normed))
+        return y if residual is None else residual.add_(y)
     if norm is not None:
         x = norm(x)
-    if weight_scale is not None:  # FP8, the activations quantized per token (kernels/fp8_gemm.py)
-        if not silu_mul:
-            return fp8_linear(x, weight, weight_scale, bias, residual)
-        y = silu_mul_op(fp8_linear(x, weight, weight_scale, bias, None))
-        return y if residual is None else residual.add_(y)
     if weight.is_mkldnn:  # (oneDNN's own layout on a CPU: pack_weights)
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     elif residual is not None and bias is None and not silu_mul and x.dim() == 2:
