@@ -81,19 +81,22 @@ def sweep(row_counts: list[int]) -> None:
             a, a_scale = per_token_fp8_triton(torch.randn(rows, k, device="cuda", dtype=dt))
             results = []
             block_ms = sorted({max(16, min(64, next_pow2(rows))), max(16, min(128, next_pow2(rows)))})
-            for block_m, bn, bk, stages, warps in itertools.product(block_ms, (16, 32, 64, 128), (128, 256, 512),
-                                                                     (3, 4), (4, 8)):
+            for block_m, bn, bk, stages, warps in itertools.product(
+                block_ms, (16, 32, 64, 128), (128, 256, 512), (3, 4), (4, 8)
+            ):
                 if (warps == 8 and block_m * bn < 128 * 64) or (bk == 512 and block_m * bn > 64 * 32):
                     continue
                 for split in (1, 2, 4, 8):
                     if split > 1 and triton.cdiv(n, bn) * triton.cdiv(rows, block_m) * split > 132 * 6:
                         continue
-                    cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                               SPLIT_K=split)
+                    cfg = dict(
+                        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split
+                    )
                     try:
                         t = bench(
                             lambda: [fp8_gemm_triton(a, a_scale, q, s, None, None, dt, cfg) for q, s in quantized],
-                            3, 3,
+                            3,
+                            3,
                         )
                     except Exception:  # (shared memory)
                         break
@@ -101,13 +104,17 @@ def sweep(row_counts: list[int]) -> None:
             results.sort(key=lambda r: r[0])
             best = "; ".join(
                 f"{t:.2f} bm={c['BLOCK_M']} bn={c['BLOCK_N']} bk={c['BLOCK_K']} st={c['num_stages']} "
-                f"w={c['num_warps']} split={c['SPLIT_K']}" for t, c in results[:6]
+                f"w={c['num_warps']} split={c['SPLIT_K']}"
+                for t, c in results[:6]
             )
             q, s = quantized[0]
             ref = fp8_gemm_ref(a, a_scale, q, s, None, None, torch.float32)
             err = (fp8_gemm_triton(a, a_scale, q, s, None, None, dt, results[0][1]).float() - ref).abs().max()
-            print(f"{name:8s} rows={rows:5d} default {fp8_gemm_config(rows, n, k)} | best {best} "
-                  f"(the best's error against fp32 sums {err / ref.abs().max():.1e})", flush=True)
+            print(
+                f"{name:8s} rows={rows:5d} default {fp8_gemm_config(rows, n, k)} | best {best} "
+                f"(the best's error against fp32 sums {err / ref.abs().max():.1e})",
+                flush=True,
+            )
 
 
 def accuracy() -> None:
