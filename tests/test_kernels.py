@@ -393,19 +393,20 @@ def test_per_token_fp8(dtype, normed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fusion", ["plain", "bias", "residual"])
 @pytest.mark.parametrize("m", [37, 265])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_fp8_gemm(dtype, fusion, m, split_k):
+@pytest.mark.parametrize("loads", ["pointers", "split", "tma"])
+def test_fp8_gemm(dtype, fusion, m, loads):
     """An FP8 weight at more rows (kernels/fp8_gemm.py): e4m3 activations with a scale per token,
     tokens of a tile's awkward share (M = 37 and 265 in 16-row tiles, N and K not multiples of the
     tiles), against the reference; tokens and rows of very different magnitudes, so that a scale
-    applied to the wrong one shows. split_k 3: K shared by three programs a tile (the last of a
-    K that is not a multiple of the split), the last to arrive adding them up; run twice, so that
-    the tiles' counters are shown back at zero for the next call."""
+    applied to the wrong one shows. split: K shared by three programs a tile (the last with less
+    than the others), the last to arrive adding them up; run twice, so that the tiles' counters
+    are shown back at zero for the next call. tma: the tiles read through TMA descriptors, which
+    read zeros past the matrices' ends."""
     from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_ref
     from picovllm.model.layers.fp8 import quantize_fp8
 
     g = torch.Generator().manual_seed(11)
-    n, k = 70, 300
+    n, k = 70, 336 if loads == "tma" else 300  # (TMA: rows of a multiple of 16 bytes)
     x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m)[:, None]).to(dtype).to(DEV)
     w = torch.randn(n, k, generator=g) / k**0.5 * torch.logspace(-2, 1, n)[torch.randperm(n, generator=g), None]
     wq, w_scale = quantize_fp8(w.to(dtype).to(DEV))
@@ -413,7 +414,9 @@ def test_fp8_gemm(dtype, fusion, m, split_k):
     bias = torch.randn(n, generator=g).to(dtype).to(DEV) if fusion == "bias" else None
     residual = torch.randn(m, n, generator=g).to(dtype).to(DEV) if fusion == "residual" else None
     expect = fp8_gemm_ref(a, a_scale, wq, w_scale, bias, residual, dtype)
-    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, SPLIT_K=split_k)
+    config = dict(
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, SPLIT_K=3 if loads == "split" else 1, TMA=loads == "tma"
+    )
     for _ in range(2):
         got = fp8_gemm_triton(a, a_scale, wq, w_scale, bias, residual, dtype, config=config)
         assert got.shape == (m, n) and got.dtype == dtype

@@ -12,7 +12,8 @@ replayed from a CUDA graph (GPU only), in us per call:
 Usage: PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py [ROWS ...]  (default: 1 2 4 8 16 32 64 128 256 2048)
        PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py sweep [ROWS ...]  (default: 8 128)
          fp8_gemm's tiles swept (tokens, weight rows and depth a tile, stages, warps, the split
-         of K), the best six per projection and row count, and the best's error
+         of K, loads by TMA descriptors), the best six per projection and row count, and the
+         best's error
        PYTHONPATH=. python benchmarks/kernels/fp8_gemm.py accuracy
          fp8_gemm's error by token tile against fp32 sums of the same operands (max |out - ref| /
          max |ref|), with fp32 and bf16 outputs"""
@@ -81,16 +82,24 @@ def sweep(row_counts: list[int]) -> None:
             a, a_scale = per_token_fp8_triton(torch.randn(rows, k, device="cuda", dtype=dt))
             results = []
             block_ms = sorted({max(16, min(64, next_pow2(rows))), max(16, min(128, next_pow2(rows)))})
-            for block_m, bn, bk, stages, warps in itertools.product(
-                block_ms, (16, 32, 64, 128), (128, 256, 512), (3, 4), (4, 8)
+            for block_m, bn, bk, stages, warps, tma in itertools.product(
+                block_ms, (16, 32, 64, 128), (128, 256, 512), (3, 4), (4, 8), (False, True)
             ):
                 if (warps == 8 and block_m * bn < 128 * 64) or (bk == 512 and block_m * bn > 64 * 32):
+                    continue
+                if tma and block_m < 64:
                     continue
                 for split in (1, 2, 4, 8):
                     if split > 1 and triton.cdiv(n, bn) * triton.cdiv(rows, block_m) * split > 132 * 6:
                         continue
                     cfg = dict(
-                        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, SPLIT_K=split
+                        BLOCK_M=block_m,
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                        num_warps=warps,
+                        num_stages=stages,
+                        SPLIT_K=split,
+                        TMA=tma,
                     )
                     try:
                         t = bench(
@@ -104,7 +113,7 @@ def sweep(row_counts: list[int]) -> None:
             results.sort(key=lambda r: r[0])
             best = "; ".join(
                 f"{t:.2f} bm={c['BLOCK_M']} bn={c['BLOCK_N']} bk={c['BLOCK_K']} st={c['num_stages']} "
-                f"w={c['num_warps']} split={c['SPLIT_K']}"
+                f"w={c['num_warps']} split={c['SPLIT_K']}{' tma' if c['TMA'] else ''}"
                 for t, c in results[:6]
             )
             q, s = quantized[0]

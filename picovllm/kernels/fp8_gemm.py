@@ -10,7 +10,9 @@ with a scale per row of each operand.
   round: the output to the model dtype, then the residual sum). Each program streams BLOCK_N
   weight rows over BLOCK_M tokens, over all of K or, for a deep weight, its share of K (SPLIT_K
   programs a tile, the last to finish adding them up); at decode's few tokens the weight's bytes
-  set the time, so the tiles keep enough programs in flight (fp8_gemm_config).
+  set the time, so the tiles keep enough programs in flight (fp8_gemm_config). A wide weight
+  (gate_up) at 65-256 tokens takes all of them in one 128-token tile, read through TMA
+  descriptors (Hopper's copy engine), where the same tile loaded by the threads ran slower.
 - fp8_linear: the two, or past SCALED_MM_MIN_ROWS tokens in bf16 (prompts) cuBLAS's FP8 GEMM
   (torch._scaled_mm), which measured faster there (benchmarks/kernels/fp8_gemm.py).
 """
@@ -22,6 +24,13 @@ import torch
 
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAS_TMA = True
+except ImportError:  # (no Triton, or one without host-side tensor descriptors)
+    HAS_TMA = False
 from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
 SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
@@ -118,12 +127,14 @@ def _fp8_epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out
 
 
 @triton.jit
-def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial, arrivals, M, N, K, k_per_split,
-                     s_am, s_wn, s_rm, s_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial, arrivals, a_desc, w_desc, M, N,
+                     K, k_per_split, s_am, s_wn, s_rm, s_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     SPLIT: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * BLOCK_M
+    n = n0 + tl.arange(0, BLOCK_N)
+    m = m0 + tl.arange(0, BLOCK_M)
     nmask = n < N
     mmask = m < M
     w_scale = tl.load(weight_scale + n, mask=nmask, other=0.0)
@@ -132,10 +143,14 @@ def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, part
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < k_end
-        at = tl.load(a + m[:, None] * s_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        wt = tl.load(weight + n[None, :] * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if TMA:  # (the tiles by the copy engine; past M, N and K it reads zeros; a split ends on a tile)
+            at = a_desc.load([m0, k0])
+            wt = w_desc.load([n0, k0]).T
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < k_end
+            at = tl.load(a + m[:, None] * s_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wt = tl.load(weight + n[None, :] * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
         # Hopper's 64-token FP8 tiles (wgmma) add in less than fp32's precision, and Triton's
         # default on sm_90 never promotes them: greedy tokens then drift from the reference. Each
         # instruction's 32 products go to the fp32 sum.
@@ -171,12 +186,16 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     once), and narrow weight tiles, 16 rows for a weight of at most 2,048, 32 beyond; a weight at
     least four times deeper than it has rows (the down projection: 1,536 rows, 8,960 deep) has its
     K split over 8 programs a tile up to 32 tokens, 4 beyond (else its 1,536 rows make 96-192
-    programs). Chosen from sweeps at 8, 64, 128 and 256 rows (benchmarks/kernels/fp8_gemm.py sweep).
+    programs). A wide weight (more than 2,048 rows: gate_up) at 65-256 tokens: 128 tokens by 64
+    rows a tile through TMA descriptors. Chosen from sweeps at 8, 64, 128 and 256 rows
+    (benchmarks/kernels/fp8_gemm.py sweep).
     exact: at most 32 tokens a tile. Hopper's 64-token FP8 tiles (wgmma) sum, even promoted every
     32 products, less exactly than fp32 (the error in benchmarks/README.md's FP8 section): below the
     rounding of a bf16 or fp16 output, not of an fp32 one; smaller tiles sum in fp32 (mma)."""
     block_m = max(16, min(32 if exact else 64, next_pow2(m)))
     deep = k >= 4 * n
+    if block_m == 64 and m > 64 and n > 2048 and not deep:  # (gate_up at 65-256 tokens)
+        return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, TMA=True)
     if block_m == 64:
         if deep:
             few = m <= 128
@@ -189,11 +208,17 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
 
 
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether tiles of these e4m3 matrices can be read by TMA descriptors: rows contiguous, each
+    row and the start 16-byte aligned."""
+    return HAS_TMA and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, residual: torch.Tensor | None, dtype: torch.dtype,
                     config: dict | None = None) -> torch.Tensor:
-    """config: the tiles (fp8_gemm_config's), and SPLIT_K, how many programs share each tile's K
-    (1 when not given)."""
+    """config: the tiles (fp8_gemm_config's), SPLIT_K, how many programs share each tile's K (1 when
+    not given), and TMA, the tiles read through TMA descriptors (where the matrices allow it)."""
     m, k = a.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=dtype, device=a.device)
@@ -203,6 +228,10 @@ def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
     split = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    a_desc = w_desc = None
+    if cfg.pop("TMA", False) and _tma_ready(a, weight):
+        a_desc = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], block_k])
     if split > 1:
         assert grid[0] * grid[1] <= MAX_TILES, f"{grid[0] * grid[1]} tiles, more than {MAX_TILES}"
         partial, arrivals = torch.empty((split, m, n), dtype=torch.float32, device=a.device), _arrivals(a.device)
@@ -210,9 +239,10 @@ def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
         partial = arrivals = out
     res = residual if residual is not None else out
     _fp8_gemm_kernel[grid](a, a_scale, weight, weight_scale, bias if bias is not None else out, res, out, partial,
-                           arrivals, m, n, k, k_per_split, a.stride(0), weight.stride(0), res.stride(0),
-                           out.stride(0), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                           SPLIT=split > 1, **cfg, **pdl(a))
+                           arrivals, a_desc, w_desc, m, n, k, k_per_split, a.stride(0), weight.stride(0),
+                           res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                           HAS_RESIDUAL=residual is not None, SPLIT=split > 1, TMA=a_desc is not None, **cfg,
+                           **pdl(a))
     return out
 
 
