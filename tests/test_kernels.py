@@ -393,7 +393,7 @@ def test_per_token_fp8(dtype, normed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fusion", ["plain", "bias", "residual"])
 @pytest.mark.parametrize("m", [37, 265])
-@pytest.mark.parametrize("loads", ["pointers", "split", "tma"])
+@pytest.mark.parametrize("loads", ["pointers", "split", "tma", "tma-unaligned"])
 def test_fp8_gemm(dtype, fusion, m, loads):
     """An FP8 weight at more rows (kernels/fp8_gemm.py): e4m3 activations with a scale per token,
     tokens of a tile's awkward share (M = 37 and 265 in 16-row tiles, N and K not multiples of the
@@ -401,7 +401,8 @@ def test_fp8_gemm(dtype, fusion, m, loads):
     applied to the wrong one shows. split: K shared by three programs a tile (the last with less
     than the others), the last to arrive adding them up; run twice, so that the tiles' counters
     are shown back at zero for the next call. tma: the tiles read through TMA descriptors, which
-    read zeros past the matrices' ends."""
+    read zeros past the matrices' ends; tma-unaligned: rows TMA cannot read (300 bytes, not a
+    multiple of 16), read by the threads instead."""
     from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_ref
     from picovllm.model.layers.fp8 import quantize_fp8
 
@@ -415,7 +416,12 @@ def test_fp8_gemm(dtype, fusion, m, loads):
     residual = torch.randn(m, n, generator=g).to(dtype).to(DEV) if fusion == "residual" else None
     expect = fp8_gemm_ref(a, a_scale, wq, w_scale, bias, residual, dtype)
     config = dict(
-        BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, SPLIT_K=3 if loads == "split" else 1, TMA=loads == "tma"
+        BLOCK_M=16,
+        BLOCK_N=32,
+        BLOCK_K=64,
+        num_warps=4,
+        SPLIT_K=3 if loads == "split" else 1,
+        TMA=loads.startswith("tma"),
     )
     for _ in range(2):
         got = fp8_gemm_triton(a, a_scale, wq, w_scale, bias, residual, dtype, config=config)
