@@ -177,7 +177,9 @@ def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, part
 @functools.cache
 def _arrivals(device: torch.device) -> torch.Tensor:
     """The split GEMM's arrival counters, one a tile, zero between calls (each call's last split
-    resets its tile's): allocated once per device, before any CUDA graph's capture."""
+    resets its tile's): allocated once per device, before any CUDA graph's capture. Shared by
+    every call on the device, which holds because a device's GEMMs run one after another (the
+    model's forward is one stream)."""
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
