@@ -616,13 +616,15 @@ def test_gemv_reads_every_e4m3_value(dtype):
     torch.testing.assert_close(got.double(), expect, atol=TOL[dtype] * expect.abs().max().item(), rtol=TOL[dtype])
 
 
-def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch, quantization):
     """The whole engine on the Triton path, on CPU tensors in Triton's interpreter: chunked
     prompts mixed with decodes (a 32-token budget), so mixed steps send single-query sequences
     to the decode kernel and the prefill kernel takes work lists; the fused GEMV at one row;
     work items of 128 queries (long chunks, here from 16 queries). Greedy tokens
-    equal the PyTorch reference path's (fp32). On a GPU, tests/test_cuda.py compares the two at
-    Qwen2.5-1.5B's shapes."""
+    equal the PyTorch reference path's (fp32). fp8: FP8 weights, the GEMV on e4m3 at one row and
+    the FP8 GEMM past it, its input normed and quantized in one kernel. On a GPU,
+    tests/test_cuda.py compares the two at Qwen2.5-1.5B's shapes."""
     from conftest import TEST_DEVICE, make_llm
 
     from picovllm import SamplingParams
@@ -634,15 +636,18 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 4, 2, 8)]
 
     def greedy():
-        llm = make_llm(tiny_qwen[0], skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=4)
+        llm = make_llm(
+            tiny_qwen[0], skip_tokenizer_init=True, max_num_batched_tokens=32, max_num_seqs=4, quantization=quantization
+        )
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     reference = greedy()
     assert [len(t) for t in reference] == [3, 4, 2, 8]
     monkeypatch.setattr(triton_utils, "ON_CPU", True)
     assert greedy() == reference
-    monkeypatch.setattr(prefill_attention, "LONG_QUERIES", 16)
-    assert greedy() == reference
+    if quantization is None:  # (the attention's: the same with FP8 weights)
+        monkeypatch.setattr(prefill_attention, "LONG_QUERIES", 16)
+        assert greedy() == reference
 
 
 SAMPLING_CASES = {  # (top_k, top_p, min_p) a row; None: not asked of the batch
