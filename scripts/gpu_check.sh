@@ -61,8 +61,8 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
         bench pd pd --num-prompts ${PD_PROMPTS:-64} --concurrency 16 --input-len 1024 --output-len 128 ;;
     structured) bench structured structured --tokenizer "${TOKENIZER:?structured needs TOKENIZER=DIR}" \
                     --batch-size 64 --input-len 128 --output-len 256 --max-num-seqs 64 ;;
-    fp8) bench latency_bf16 latency --batch-sizes 1,8,128 --input-len 128 --output-len 256
-         bench latency_fp8 latency --batch-sizes 1,8,128 --input-len 128 --output-len 256 --quantization fp8 ;;
+    fp8) bench latency_bf16 latency --batch-sizes 1,8,64,128,256 --input-len 128 --output-len 256
+         bench latency_fp8 latency --batch-sizes 1,8,64,128,256 --input-len 128 --output-len 256 --quantization fp8 ;;
     servers) for n in 1 2 4; do  # (serve's HTTP processes: --api-server-count)
                bench "serve_x$n" serve --concurrency 64 --input-len 512 --output-len 128 --max-num-batched-tokens 128 \
                    --max-num-seqs 64 --api-server-count $n
