@@ -12,6 +12,9 @@ Usage: PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py
          a thread runs in one program (the loop's body times its trips) per weight element, and the
          registers a thread holds. Where the instructions, not the weight's bytes, set a GEMV's
          time, fewer per element is faster.
+       PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py fp8_gemm [ROWS ...]
+         the FP8 GEMM (kernels/fp8_gemm.py) at the engine's tiles for Qwen2.5-1.5B's projections
+         at 8, 64, 128, 256 rows (or those given): its K loop's instructions and their kinds.
 Integer arguments are given as Triton would see them at launch: strides of 1 as constants, the
 others divisible by 16 (the block-table row stride is not specialised)."""
 
@@ -92,14 +95,18 @@ def cubin_tool(kernel, tool: str, *args: str) -> str:
         os.remove(path)
 
 
-def loop_bodies(lines: list[tuple[int, str]], labels: dict) -> list[int]:
-    """The instruction count of each loop (a branch back to an earlier label), smallest first."""
-    loops = [
+def loops(lines: list[tuple[int, str]], labels: dict) -> list[tuple[int, int]]:
+    """Each loop's first and last address (a branch back to an earlier label)."""
+    return [
         (labels[m.group(1)], address)
         for address, text in lines
         if (m := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(m.group(1), address) < address
     ]
-    return sorted(sum(start <= a <= end for a, _ in lines) for start, end in loops)
+
+
+def loop_bodies(lines: list[tuple[int, str]], labels: dict) -> list[int]:
+    """The instruction count of each loop, smallest first."""
+    return sorted(sum(start <= a <= end for a, _ in lines) for start, end in loops(lines, labels))
 
 
 def sass_lines(kernel) -> list[tuple[int, str]]:
@@ -186,8 +193,49 @@ def gemv_instructions(tiles: dict | None) -> None:
             )
 
 
+FP8_GEMM_PROJECTIONS = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+
+
+def fp8_gemm_loops(row_counts: list[int]) -> None:
+    """The FP8 GEMM (kernels/fp8_gemm.py) at the engine's tiles for each projection and row count:
+    its K loop's instructions, the tensor-core ones (QGMMA), the copies to shared memory (LDGSTS:
+    a thread's 16-byte copy; UTMALDG: a TMA copy), the fp32 adds of the promotion, and what
+    would show the loads not vectorised (LDG, PRMT, STS) or registers spilled (LDL, STL)."""
+    from picovllm.kernels import fp8_gemm
+
+    e4m3, fp32, bf16 = "*fp8e4nv", "*fp32", "*bf16"
+    pointers = dict(a=e4m3, weight=e4m3, a_scale=fp32, weight_scale=fp32, partial=fp32, arrivals="*i32")
+    pointers.update(bias=bf16, residual=bf16, out=bf16)
+    fn = fp8_gemm._fp8_gemm_kernel
+    for name, (n, k) in FP8_GEMM_PROJECTIONS.items():
+        for rows in row_counts:
+            cfg = fp8_gemm.fp8_gemm_config(rows, n, k)
+            warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+            split, tma = cfg.pop("SPLIT_K", 1), cfg.pop("TMA", False)
+            constants = dict(HAS_BIAS=False, HAS_RESIDUAL=False, SPLIT=split > 1, TMA=tma, USE_PDL=True, **cfg)
+            tiles = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
+            pointers.update(a_desc=f"tensordesc<fp8e4nv[{tiles[0]},{tiles[2]}]>")
+            pointers.update(w_desc=f"tensordesc<fp8e4nv[{tiles[1]},{tiles[2]}]>")
+            if not tma:
+                constants.update(a_desc=None, w_desc=None)
+            divisible = [a for a in fn.arg_names if a not in constants]  # (as Triton sees them at launch)
+            kernel = compile_sm90(fn, pointers, constants, divisible=divisible, num_warps=warps, num_stages=stages)
+            lines, labels = sass_lines(kernel)
+            start, end = max(loops(lines, labels), key=lambda se: sum(se[0] <= a <= se[1] for a, _ in lines))
+            opcodes = [t.split()[1 if t.startswith("@") else 0].split(".")[0] for a, t in lines if start <= a <= end]
+            shown = ("QGMMA", "LDGSTS", "UTMALDG", "FADD", "LDG", "PRMT", "STS", "LDL", "STL")
+            counts = ", ".join(f"{op} {opcodes.count(op)}" for op in shown if op in opcodes)
+            how = (f", split {split}" if split > 1 else "") + (", TMA" if tma else "")
+            print(
+                f"{name:8s} {rows:4d} rows, {' x '.join(map(str, tiles))}{how}: K loop {len(opcodes)} instructions: "
+                f"{counts}; shared memory {kernel.metadata.shared} B"
+            )
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["gemv"]:
+    if sys.argv[1:2] == ["fp8_gemm"]:
+        fp8_gemm_loops([int(r) for r in sys.argv[2:]] or [8, 64, 128, 256])
+    elif sys.argv[1:2] == ["gemv"]:
         given = sys.argv[2:5]
         gemv_instructions(dict(zip(("BLOCK_N", "BLOCK_K", "num_warps"), map(int, given))) if given else None)
     else:
