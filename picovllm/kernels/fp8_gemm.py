@@ -23,7 +23,7 @@ import functools
 import torch
 
 from picovllm.kernels.rms_norm import rms_norm_ref
-from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
+from picovllm.kernels.triton_utils import hopper_or_later, next_pow2, pdl, pdl_wait, tl, triton, use_triton
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -211,9 +211,14 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether tiles of these e4m3 matrices can be read by TMA descriptors: rows contiguous, each
-    row and the start 16-byte aligned."""
-    return HAS_TMA and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+    """Whether tiles of these e4m3 matrices can be read by TMA descriptors: a GPU that has TMA
+    (Hopper on; Ada's FP8 GEMM loads by pointers; the CPU's interpreter has them), rows
+    contiguous, each row and the start 16-byte aligned."""
+    return (
+        HAS_TMA
+        and all(hopper_or_later(t) or not t.is_cuda for t in tensors)
+        and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+    )
 
 
 def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -43,13 +43,18 @@ PDL = True
 
 
 @functools.cache
-def _pdl_capable(device_index: int) -> bool:
+def _hopper_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def hopper_or_later(x: torch.Tensor) -> bool:
+    """Whether x is on a GPU of compute capability 9 or more (programmatic dependent launch, TMA)."""
+    return x.is_cuda and _hopper_or_later(x.device.index if x.device.index is not None else 0)
 
 
 def pdl(x: torch.Tensor) -> dict:
     """The USE_PDL constexpr, and Triton's launch_pdl option, for a kernel on x's device."""
-    if PDL and x.is_cuda and _pdl_capable(x.device.index if x.device.index is not None else 0):
+    if PDL and hopper_or_later(x):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 
