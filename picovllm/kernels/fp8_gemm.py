@@ -24,6 +24,7 @@ import torch
 
 from picovllm.kernels.rms_norm import rms_norm_ref
 from picovllm.kernels.triton_utils import hopper_or_later, next_pow2, pdl, pdl_wait, tl, triton, use_triton
+from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -31,7 +32,6 @@ try:
     HAS_TMA = True
 except ImportError:  # (no Triton, or one without host-side tensor descriptors)
     HAS_TMA = False
-from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
 SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
 MAX_TILES = 8192  # (a split GEMM's tiles: _arrivals)
