@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from picovllm.kernels.rms_norm import rms_norm_ref
+from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_row
 from picovllm.kernels.triton_utils import hopper_or_later, next_pow2, pdl, pdl_wait, tl, triton, use_triton
 from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
@@ -73,13 +73,11 @@ def _per_token_fp8_kernel(x, norm_weight, out, scale, K, s_xm, s_om, eps, HAS_NO
     k = tl.arange(0, BLOCK_K)
     mask = k < K
     if HAS_NORM:
-        w = tl.load(norm_weight + k, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(norm_weight + k, mask=mask, other=0.0)
     pdl_wait(USE_PDL)
     xv = tl.load(x + m * s_xm + k, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:  # (kernels/rms_norm.py's arithmetic and roundings)
-        dt = x.dtype.element_ty
-        normed = (xv * (1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / K + eps))).to(dt)
-        xv = (w * normed.to(tl.float32)).to(dt).to(tl.float32)
+    if HAS_NORM:
+        xv = rms_norm_row(xv, w, K, eps, x.dtype.element_ty).to(tl.float32)
     s = fp8_row_scale(tl.max(tl.abs(xv), axis=0))
     tl.store(out + m * s_om + k, to_fp8(xv, 1.0 / s), mask=mask)
     tl.store(scale + m, s)

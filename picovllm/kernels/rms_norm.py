@@ -12,6 +12,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
+def rms_norm_row(v, w, n_cols, eps, dt: tl.constexpr):
+    """One row's RMSNorm in dt, rounded as rms_norm_ref rounds it: v (fp32, masked lanes zero)
+    normed, rounded to dt, times the weight w, rounded to dt (also the FP8 layers' quantizing
+    kernel's, kernels/fp8_gemm.py)."""
+    normed = (v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n_cols + eps))).to(dt)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _rms_norm_kernel(x, weight, out, s_xr, s_xc, s_or, n_cols, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -19,9 +28,7 @@ def _rms_norm_kernel(x, weight, out, s_xr, s_xc, s_or, n_cols, eps, BLOCK: tl.co
     w = tl.load(weight + cols, mask=mask)
     pdl_wait(USE_PDL)
     v = tl.load(x + row * s_xr + cols * s_xc, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n_cols + eps)
-    normed = (v * rstd).to(out.dtype.element_ty)  # rounded to the input dtype, as the reference
-    tl.store(out + row * s_or + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + row * s_or + cols, rms_norm_row(v, w, n_cols, eps, out.dtype.element_ty), mask=mask)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
