@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_row_scale, per_token_fp8_ref, to_fp8
 from picovllm.kernels.kv_store import cache_value, rope_and_store_ref, rotate_pair
 from picovllm.kernels.rms_norm import rms_norm_ref
-from picovllm.kernels.silu_mul import silu_mul_ref
+from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_values
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton
 
 MAX_ROWS = 16  # rows in one program (registers); the model uses one
@@ -182,9 +182,7 @@ def _gemv_kernel(
         acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt)
     if SILU_MUL:
-        gate = y.to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt)  # rounded like F.silu's output
-        y = (act.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+        y = silu_mul_values(y.to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
     omask = mmask[:, None] & nmask[None, :]
     if HAS_RESIDUAL:
         res = tl.load(residual + m[:, None] * s_rm + n[None, :], mask=omask, other=0.0)

@@ -11,6 +11,14 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_mul_values(g, u, dt: tl.constexpr):
+    """silu(g) * u in dt (g, u in fp32), rounded as silu_mul_ref rounds it: F.silu's output to dt,
+    then the product to dt (also the GEMV's with the gate_up weight fused, kernels/gemv.py)."""
+    act = (g / (1.0 + tl.exp(-g))).to(dt)
+    return (act.to(tl.float32) * u).to(dt)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_up, out, s_r, s_c, s_or, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -18,8 +26,7 @@ def _silu_mul_kernel(gate_up, out, s_r, s_c, s_or, n, BLOCK: tl.constexpr, USE_P
     pdl_wait(USE_PDL)
     g = tl.load(gate_up + row * s_r + cols * s_c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up + row * s_r + (cols + n) * s_c, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out.dtype.element_ty)  # rounded like F.silu's output
-    tl.store(out + row * s_or + cols, (act.to(tl.float32) * u).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + row * s_or + cols, silu_mul_values(g, u, out.dtype.element_ty), mask=mask)
 
 
 def silu_mul_triton(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
