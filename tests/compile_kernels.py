@@ -70,8 +70,9 @@ def main(dt: str) -> None:
                                              BLOCK_N=2, BLOCK_K=2048, ONE_TILE=one_tile),
            {**fp8, **fp8_cache} if scale else {})
           for one_tile in (False, True) for scale in (False, True)],
-        *[(fp8_gemm._per_token_fp8_kernel, dict(HAS_NORM=norm, BLOCK_K=2048),
-           {"out": "*fp8e4nv", "scale": "*fp32", "norm_weight": p}) for norm in (False, True)],
+        *[(fp8_gemm._per_token_fp8_kernel, dict(HAS_NORM=norm, SILU_MUL=silu, BLOCK_K=2048),
+           {"out": "*fp8e4nv", "scale": "*fp32", "norm_weight": p})
+          for norm, silu in ((False, False), (True, False), (False, True))],
         *[(fp8_gemm._fp8_gemm_kernel, dict(HAS_BIAS=True, HAS_RESIDUAL=True, SPLIT=split, TMA=tma, BLOCK_M=block_m,
                                             BLOCK_N=32, BLOCK_K=128,
                                             **({} if tma else {"a_desc": None, "w_desc": None})),

@@ -362,13 +362,14 @@ def test_decode_splits_fill_the_gpu_and_depend_on_the_batch_only():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("normed", [False, True])
-def test_per_token_fp8(dtype, normed):
+@pytest.mark.parametrize("before", [None, "norm", "silu_mul"])
+def test_per_token_fp8(dtype, before):
     """Activations to e4m3 with a scale per row (kernels/fp8_gemm.py): each row's scale is its
     largest magnitude over e4m3's largest (an all-zero row's the floor), its values x / scale
-    rounded to nearest even, as the reference's. normed: the row's RMSNorm first, in the same
-    kernel, bit for bit the norm's kernel's output quantized. (In the interpreter with
-    tests/conftest.py's repair of its fp8 rounding.)"""
+    rounded to nearest even, as the reference's. norm: the row's RMSNorm first, silu_mul: SiLU of
+    a gate_up row's first half times its second; in the same kernel, bit for bit the norm's (or
+    SiLU*mul's) kernel's output quantized. (In the interpreter with tests/conftest.py's repair of
+    its fp8 rounding.)"""
     from picovllm.kernels.fp8_gemm import MIN_SCALE, per_token_fp8_ref, per_token_fp8_triton
     from picovllm.model.layers.fp8 import FP8
 
@@ -377,10 +378,14 @@ def test_per_token_fp8(dtype, normed):
     x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 2, rows)[:, None]
     x[2] = 0.0
     x = x.to(dtype).to(DEV)
-    if normed:
+    if before == "norm":
         norm_weight = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
         q, scale = per_token_fp8_triton(x, norm_weight, 1e-6)
         q_ref, scale_ref = per_token_fp8_ref(rms_norm_triton(x, norm_weight, 1e-6))
+    elif before == "silu_mul":
+        gate_up = torch.cat([torch.randn(rows, k, generator=g).to(dtype).to(DEV), x], dim=1)
+        q, scale = per_token_fp8_triton(gate_up, silu_mul=True)
+        q_ref, scale_ref = per_token_fp8_ref(silu_mul_triton(gate_up))
     else:
         q, scale = per_token_fp8_triton(x)
         q_ref, scale_ref = per_token_fp8_ref(x)

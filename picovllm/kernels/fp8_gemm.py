@@ -23,6 +23,7 @@ import functools
 import torch
 
 from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_row
+from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_values
 from picovllm.kernels.triton_utils import hopper_or_later, next_pow2, pdl, pdl_wait, tl, triton, use_triton
 from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
@@ -68,31 +69,36 @@ def to_fp8(xv, inv_scale):
 
 @triton.jit
 def _per_token_fp8_kernel(x, norm_weight, out, scale, K, s_xm, s_om, eps, HAS_NORM: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                          SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     m = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     mask = k < K
+    dt = x.dtype.element_ty
     if HAS_NORM:
         w = tl.load(norm_weight + k, mask=mask, other=0.0)
     pdl_wait(USE_PDL)
     xv = tl.load(x + m * s_xm + k, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        xv = rms_norm_row(xv, w, K, eps, x.dtype.element_ty).to(tl.float32)
+        xv = rms_norm_row(xv, w, K, eps, dt).to(tl.float32)
+    if SILU_MUL:  # (x: a gate_up output, gate then up)
+        up = tl.load(x + m * s_xm + K + k, mask=mask, other=0.0).to(tl.float32)
+        xv = silu_mul_values(xv, up, dt).to(tl.float32)
     s = fp8_row_scale(tl.max(tl.abs(xv), axis=0))
     tl.store(out + m * s_om + k, to_fp8(xv, 1.0 / s), mask=mask)
     tl.store(scale + m, s)
 
 
-def per_token_fp8_triton(x: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """per_token_fp8_ref's, of rms_norm(x, norm_weight, eps) when norm_weight is given (the norm
-    in the same kernel)."""
-    rows, k = x.shape
+def per_token_fp8_triton(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                         silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_fp8_ref's, of rms_norm(x, norm_weight, eps) when norm_weight is given, of
+    silu_mul(x) when silu_mul is (the norm or the activation in the same kernel)."""
+    rows, k = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
     out = torch.empty((rows, k), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     block = next_pow2(k)
     _per_token_fp8_kernel[(rows,)](x, norm_weight if norm_weight is not None else x, out, scale, k, x.stride(0),
-                                   out.stride(0), eps, HAS_NORM=norm_weight is not None, BLOCK_K=block,
+                                   out.stride(0), eps, HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul,
+                                   BLOCK_K=block,
                                    num_warps=min(16, max(1, block // 512)), **pdl(x))
     return out, scale
 
@@ -252,17 +258,19 @@ def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               residual: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0) -> torch.Tensor:
+               residual: torch.Tensor | None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               silu_mul: bool = False) -> torch.Tensor:
     """residual + x @ (weight * weight_scale).T + bias, the activations quantized per token: on the
     GPU fp8_gemm, or cuBLAS's from SCALED_MM_MIN_ROWS rows in bf16 (its scales per row need a bf16
-    output); elsewhere the reference. norm_weight: x's RMSNorm first (with eps), in the kernel
-    that quantizes it."""
+    output); elsewhere the reference. norm_weight: x's RMSNorm first (with eps); silu_mul: x is a
+    gate_up output, SiLU*mul of its halves first; either in the kernel that quantizes it."""
     if not use_triton(x) or x.dim() != 2:
         if norm_weight is not None:
             x = rms_norm_ref(x, norm_weight, eps)
+        if silu_mul:
+            x = silu_mul_ref(x)
         return fp8_gemm_ref(*per_token_fp8_ref(x), weight, weight_scale, bias, residual, x.dtype)
-    a, a_scale = per_token_fp8_triton(x, norm_weight, eps)
+    a, a_scale = per_token_fp8_triton(x, norm_weight, eps, silu_mul)
     if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= SCALED_MM_MIN_ROWS:
         y = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale[None, :], bias=bias,
                              out_dtype=x.dtype)

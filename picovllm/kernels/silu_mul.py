@@ -13,7 +13,8 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def silu_mul_values(g, u, dt: tl.constexpr):
     """silu(g) * u in dt (g, u in fp32), rounded as silu_mul_ref rounds it: F.silu's output to dt,
-    then the product to dt (also the GEMV's with the gate_up weight fused, kernels/gemv.py)."""
+    then the product to dt (also the GEMV's with the gate_up weight fused, kernels/gemv.py, and the FP8
+    layers' quantizing kernel's, kernels/fp8_gemm.py)."""
     act = (g / (1.0 + tl.exp(-g))).to(dt)
     return (act.to(tl.float32) * u).to(dt)
 

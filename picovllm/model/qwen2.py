@@ -64,8 +64,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """hidden + down(silu(gate(x)) * up(x)) with x = norm(hidden)"""
-        return self.down_proj(self.gate_up_proj(hidden, norm, silu_mul=True), residual=hidden)
+        """hidden + down(silu(gate(x)) * up(x)) with x = norm(hidden); FP8 past one row takes SiLU*mul
+        into the kernel that quantizes the down projection's input."""
+        late = self.down_proj.weight_scale is not None and not one_row_on_gpu(hidden)
+        gate_up = self.gate_up_proj(hidden, norm, silu_mul=not late)
+        return self.down_proj(gate_up, residual=hidden, silu_mul_input=late)
 
 
 class DecoderLayer(nn.Module):

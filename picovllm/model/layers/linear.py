@@ -40,12 +40,17 @@ def linear(
     norm: nn.Module | None = None,
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
+    silu_mul_input: bool = False,
 ) -> torch.Tensor:
     """residual + act(norm(x) @ weight.T + bias), where act is SiLU*mul of the two output halves
-    when silu_mul is set; weight_scale: an FP8 weight's scale per row (model/layers/fp8.py).
+    when silu_mul is set; silu_mul_input: x is a gate_up output, SiLU*mul of its halves first (an
+    FP8 weight past one row does it in the kernel that quantizes x); weight_scale: an FP8 weight's
+    scale per row (model/layers/fp8.py).
     residual may be updated in place and returned (callers pass the residual stream, whose old
     value they do not read again): the GEMM then adds into it, where a new output first took a
     copy of it (a device-to-device copy per call, two per layer)."""
+    if silu_mul_input and (weight_scale is None or one_row_on_gpu(x)):
+        x, silu_mul_input = silu_mul_op(x), False
     if one_row_on_gpu(x):
         return gemv_triton(
             x,
@@ -60,8 +65,8 @@ def linear(
     if weight_scale is not None:  # FP8, the activations normed and quantized per token (kernels/fp8_gemm.py)
         normed = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
         if not silu_mul:
-            return fp8_linear(x, weight, weight_scale, bias, residual, *normed)
-        y = silu_mul_op(fp8_linear(x, weight, weight_scale, bias, None, *normed))
+            return fp8_linear(x, weight, weight_scale, bias, residual, *normed, silu_mul_input)
+        y = silu_mul_op(fp8_linear(x, weight, weight_scale, bias, None, *normed, silu_mul_input))
         return y if residual is None else residual.add_(y)
     if norm is not None:
         x = norm(x)
@@ -206,11 +211,14 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"input size {in_features} is not divisible by tp_size {tp}")
         super().__init__(in_features // tp, out_features, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, silu_mul_input: bool = False
+    ) -> torch.Tensor:
         """residual + x @ weight.T (+ bias), residual updated in place (see linear); partial sums
-        are reduced before the residual add."""
+        are reduced before the residual add. silu_mul_input: see linear."""
         bias = self.bias if self.tp_rank == 0 else None
+        w, scale = self.weight, self.weight_scale
         if self.tp_size == 1:
-            return linear(x, self.weight, bias, weight_scale=self.weight_scale, residual=residual)
-        y = tp_all_reduce(linear(x, self.weight, bias, weight_scale=self.weight_scale))
+            return linear(x, w, bias, weight_scale=scale, residual=residual, silu_mul_input=silu_mul_input)
+        y = tp_all_reduce(linear(x, w, bias, weight_scale=scale, silu_mul_input=silu_mul_input))
         return y if residual is None else residual.add_(y)
