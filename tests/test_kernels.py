@@ -628,12 +628,13 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     to the decode kernel and the prefill kernel takes work lists; the fused GEMV at one row;
     work items of 128 queries (long chunks, here from 16 queries). Greedy tokens
     equal the PyTorch reference path's (fp32). fp8: FP8 weights, the GEMV on e4m3 at one row and
-    the FP8 GEMM past it, its input normed and quantized in one kernel. On a GPU,
+    the FP8 GEMM past it, its input normed and quantized in one kernel, the down projection's
+    input also SiLU*mul'd there from 17 rows (the engine's threshold lowered). On a GPU,
     tests/test_cuda.py compares the two at Qwen2.5-1.5B's shapes."""
     from conftest import TEST_DEVICE, make_llm
 
     from picovllm import SamplingParams
-    from picovllm.kernels import prefill_attention, triton_utils
+    from picovllm.kernels import fp8_gemm, prefill_attention, triton_utils
 
     if TEST_DEVICE != "cpu":
         pytest.skip("the interpreter runs on CPU tensors")
@@ -649,6 +650,7 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     reference = greedy()
     assert [len(t) for t in reference] == [3, 4, 2, 8]
     monkeypatch.setattr(triton_utils, "ON_CPU", True)
+    monkeypatch.setattr(fp8_gemm, "SILU_MUL_FUSED_MIN_ROWS", 17)
     assert greedy() == reference
     if quantization is None:  # (the attention's: the same with FP8 weights)
         monkeypatch.setattr(prefill_attention, "LONG_QUERIES", 16)

@@ -35,6 +35,10 @@ except ImportError:  # (no Triton, or one without host-side tensor descriptors)
     HAS_TMA = False
 
 SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
+# From this many rows the MLP's SiLU*mul runs in the kernel quantizing the down projection's input
+# (one program a row, model/qwen2.py); below, its own kernel, whose grid also splits the row, was
+# faster at decode's batches of 8-128 (benchmarks/README.md, the FP8 section).
+SILU_MUL_FUSED_MIN_ROWS = 129
 MAX_TILES = 8192  # (a split GEMM's tiles: _arrivals)
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # (vLLM's floor: an all-zero row gets this scale and zeros)
 

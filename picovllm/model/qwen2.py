@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from picovllm.config import ModelConfig
+from picovllm.kernels import fp8_gemm
 from picovllm.kernels.gemv import qkv_rope_store_triton
 from picovllm.model.layers.attention import AttentionMetadata, PagedAttention
 from picovllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -64,9 +65,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """hidden + down(silu(gate(x)) * up(x)) with x = norm(hidden); FP8 past one row takes SiLU*mul
-        into the kernel that quantizes the down projection's input."""
-        late = self.down_proj.weight_scale is not None and not one_row_on_gpu(hidden)
+        """hidden + down(silu(gate(x)) * up(x)) with x = norm(hidden); FP8 from
+        SILU_MUL_FUSED_MIN_ROWS rows takes SiLU*mul into the kernel that quantizes the down
+        projection's input."""
+        late = self.down_proj.weight_scale is not None and hidden.shape[0] >= fp8_gemm.SILU_MUL_FUSED_MIN_ROWS
         gate_up = self.gate_up_proj(hidden, norm, silu_mul=not late)
         return self.down_proj(gate_up, residual=hidden, silu_mul_input=late)
 
