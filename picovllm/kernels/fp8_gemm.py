@@ -4,7 +4,8 @@ with a scale per row of each operand.
 
 - per_token_fp8_triton: vLLM's dynamic per-token scaled_fp8_quant: each row scaled so that its largest
   magnitude is e4m3's largest; one program a row, which norms the row first when the layer takes
-  its input's RMSNorm (the norm's own kernel spared).
+  its input's RMSNorm, or takes SiLU*mul of a gate_up row's halves for the down projection from
+  SILU_MUL_FUSED_MIN_ROWS rows (the norm's or the activation's own kernel spared).
 - fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32
   (on every tile), the scales, bias and residual in the epilogue (rounded as the unfused ops
   round: the output to the model dtype, then the residual sum). Each program streams BLOCK_N
