@@ -83,7 +83,7 @@ def sweep(row_counts: list[int]) -> None:
             results = []
             block_ms = sorted({max(16, min(64, next_pow2(rows))), max(16, min(128, next_pow2(rows)))})
             for block_m, bn, bk, stages, warps, tma in itertools.product(
-                block_ms, (16, 32, 64, 128), (128, 256, 512), (3, 4), (4, 8), (False, True)
+                block_ms, (16, 32, 64, 128), (128, 256, 512), (3, 4, 5), (4, 8), (False, True)
             ):
                 if (warps == 8 and block_m * bn < 128 * 64) or (bk == 512 and block_m * bn > 64 * 32):
                     continue

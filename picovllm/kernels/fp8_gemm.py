@@ -198,8 +198,9 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     least four times deeper than it has rows (the down projection: 1,536 rows, 8,960 deep) has its
     K split over 8 programs a tile up to 32 tokens, 4 beyond (else its 1,536 rows make 96-192
     programs). A wide weight (more than 2,048 rows: gate_up) at 65-256 tokens: 128 tokens by 64
-    rows a tile through TMA descriptors. Chosen from sweeps at 8, 64, 128 and 256 rows
-    (benchmarks/kernels/fp8_gemm.py sweep).
+    rows a tile through TMA descriptors; the others (qkv, o) at 129-256 tokens 64 rows by 128 deep
+    in 5 stages. Chosen from sweeps at 8, 64, 128 and 256 rows (benchmarks/kernels/fp8_gemm.py
+    sweep).
     exact: at most 32 tokens a tile. Hopper's 64-token FP8 tiles (wgmma) sum, even promoted every
     32 products, less exactly than fp32 (the error in benchmarks/README.md's FP8 section): below the
     rounding of a bf16 or fp16 output, not of an fp32 one; smaller tiles sum in fp32 (mma)."""
@@ -212,8 +213,11 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
             few = m <= 128
             return dict(BLOCK_M=64, BLOCK_N=32 if few else 64, BLOCK_K=256 if few else 128, num_warps=4,
                         num_stages=3 if few else 4, SPLIT_K=4)
-        wide = n > 2048  # (the sweep at 128 rows: 512-deep tiles, the wide gate_up 64 rows by 128)
-        return dict(BLOCK_M=64, BLOCK_N=64 if wide else 32, BLOCK_K=128 if wide else 512, num_warps=4, num_stages=3)
+        if n > 2048:  # (the wide gate_up up to 64 tokens: 64 rows by 128 deep)
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+        if m > 128:  # (qkv and o at 129-256 tokens: 64 rows by 128 deep, 5 stages)
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
+        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3)  # (33-128: 512 deep)
     if deep:
         return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=8)
     return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
