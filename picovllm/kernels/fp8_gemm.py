@@ -103,8 +103,7 @@ def per_token_fp8_triton(x: torch.Tensor, norm_weight: torch.Tensor | None = Non
     block = next_pow2(k)
     _per_token_fp8_kernel[(rows,)](x, norm_weight if norm_weight is not None else x, out, scale, k, x.stride(0),
                                    out.stride(0), eps, HAS_NORM=norm_weight is not None, SILU_MUL=silu_mul,
-                                   BLOCK_K=block,
-                                   num_warps=min(16, max(1, block // 512)), **pdl(x))
+                                   BLOCK_K=block, num_warps=min(16, max(1, block // 512)), **pdl(x))
     return out, scale
 
 
@@ -213,10 +212,8 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
             few = m <= 128
             return dict(BLOCK_M=64, BLOCK_N=32 if few else 64, BLOCK_K=256 if few else 128, num_warps=4,
                         num_stages=3 if few else 4, SPLIT_K=4)
-        if n > 2048:  # (the wide gate_up up to 64 tokens: 64 rows by 128 deep)
-            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-        if m > 128:  # (qkv and o at 129-256 tokens: 64 rows by 128 deep, 5 stages)
-            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
+        if n > 2048 or m > 128:  # (64 rows by 128 deep: gate_up up to 64 tokens; qkv and o at 129-256 in 5 stages)
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3 if n > 2048 else 5)
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3)  # (33-128: 512 deep)
     if deep:
         return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=8)
