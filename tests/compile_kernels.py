@@ -44,7 +44,8 @@ def main(dt: str) -> None:
     fp8 = {"weight": "*fp8e4nv"}  # (an FP8 weight's kernels: HAS_SCALE)
     fp8_cache = {n: "*fp8e4nv" for n in ("k_cache", "v_cache", "k_new", "v_new")}  # (kv_cache_dtype="fp8")
     sampler = {"logits": "*fp32", "values": "*fp32", "temperature": "*fp32", "top_k": "*i64", "top_p": "*fp32",
-               "min_p": "*fp32", "counts": "*i32", "thresholds": "*fp32", "seeds": "*i64", "keys": "*i64"}
+               "min_p": "*fp32", "counts": "*i32", "thresholds": "*fp32", "seeds": "*i64", "keys": "*i64",
+               "greedy": "*i1", "bitmask": "*i32"}
     precision = "ieee" if dt == "fp32" else "tf32"
     kernels = [
         *[(prefill_attention._prefill_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,

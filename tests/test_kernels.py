@@ -728,6 +728,37 @@ def test_sampling_draws_follow_the_kept_distribution():
     assert seeded(0) == seeded(5)
 
 
+def test_sampling_draws_under_a_bitmask_follow_the_allowed_distribution():
+    """800 rows of one row's logits under one bitmask (5 of 40 tokens allowed, across two int32
+    words), the bf16 logits read as they are: each allowed token's share is its probability
+    renormalised over the allowed; every greedy row (one in four) takes the allowed argmax."""
+    from picovllm.kernels.sampling import sample_triton
+
+    rows, vocab, allowed = 800, 40, [1, 4, 6, 31, 33]
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16).repeat(rows, 1)
+    bitmask = torch.tensor([[sum(1 << j for j in allowed if j < 32) - 2**32, 1 << 1]], dtype=torch.int32)
+    greedy = torch.arange(rows) % 4 == 0
+    torch.manual_seed(0)
+    out = sample_triton(
+        logits.to(DEV),
+        torch.full((rows,), 0.7, device=DEV),
+        None,
+        None,
+        None,
+        None,
+        [None] * rows,
+        greedy.to(DEV),
+        bitmask.repeat(rows, 1).to(DEV),
+    ).cpu()
+    expect = torch.full((vocab,), float("-inf"))
+    expect[allowed] = logits[0, allowed].float() / 0.7
+    expect = expect.softmax(-1)
+    assert (out[greedy] == int(expect.argmax())).all() and int(out[greedy][0]) in allowed
+    shares = torch.bincount(out[~greedy], minlength=vocab) / int((~greedy).sum())
+    assert sorted(expect.tolist())[-4] > 0.09 and int(logits[0].argmax()) not in allowed
+    torch.testing.assert_close(shares, expect, atol=0.07, rtol=0)
+
+
 def test_penalties_kernel_equals_reference():
     """Repetition, frequency and presence penalties at the seen tokens, exactly the reference's:
     prompts and outputs of different lengths (padding), repeated tokens, tokens in both, a row

@@ -192,6 +192,55 @@ def test_logit_bias_is_added_before_the_choice():
     assert torch.equal(logits, torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]]))  # (the model's, untouched)
 
 
+def _bitmask(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """xgrammar's layout: [rows, ceil(vocab / 32)] int32, token j's bit j % 32 of word j // 32."""
+    words = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int64)
+    for i, ids in enumerate(allowed):
+        for j in ids:
+            words[i, j // 32] |= 1 << (j % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grammars_bitmask_alone_is_applied_by_the_draw(draw_path, dtype, monkeypatch):
+    """A bitmask with nothing else to mask the logits is applied by the draw as it reads them (no
+    xgrammar call, no copy): greedy rows take the argmax of their allowed tokens (the first of a
+    tie), seeded rows draw the very token they draw from the masked copy (a zero logit_bias on
+    the batch takes that path), every row one of its allowed tokens."""
+    import dataclasses
+
+    import xgrammar
+
+    vocab = 300
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    allowed = [[3, 40, 41, 299], [0, 31, 32, 33, 64], [7], list(range(100, 200)), [5, 250], list(range(vocab))]
+    logits[0, 40] = logits[0, 41] = logits[0].max() + 1  # (a tie among the allowed: the first wins)
+    bitmask = _bitmask(allowed, vocab)
+    calls = []
+    apply = xgrammar.apply_token_bitmask_inplace
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", lambda *a: calls.append(1) or apply(*a))
+
+    def draw(params: list[SamplingParams], masked_copy: bool) -> list[int]:
+        if masked_copy:
+            params = [dataclasses.replace(params[0], logit_bias={0: 0.0}), *params[1:]]
+        gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+        t = dataclasses.replace(_tensors([_req(p) for p in params], vocab, generators=gens), bitmask=bitmask)
+        calls.clear()
+        tokens = Sampler()(logits, t).sampled.tolist()
+        assert len(calls) == int(masked_copy)
+        return tokens
+
+    greedy = [SamplingParams(temperature=0)] * 6
+    tokens = draw(greedy, masked_copy=False)
+    best = [max(ids, key=lambda j: (float(logits[i, j]), -j)) for i, ids in enumerate(allowed)]
+    assert tokens == best and tokens[0] == 40
+    assert draw(greedy, masked_copy=True) == tokens
+    mixed = [SamplingParams(temperature=0) if i % 3 == 0 else SamplingParams(temperature=0.8, seed=i) for i in range(6)]
+    tokens = draw(mixed, masked_copy=False)
+    assert all(j in ids for j, ids in zip(tokens, allowed)) and tokens[::3] == best[::3]
+    assert draw(mixed, masked_copy=True) == tokens
+
+
 def test_allowed_token_ids_keep_only_theirs(draw_path):
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]])
     params = [

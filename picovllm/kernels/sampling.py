@@ -1,5 +1,7 @@
 """The random draw of a batch of logits under each row's temperature, min_p, top_k and top_p
-(vLLM's semantics and order; worker/sampler.py applies penalties, biases and masks before it).
+(vLLM's semantics and order; worker/sampler.py applies penalties, biases and masks before it),
+greedy rows beside them taking the argmax, and a grammar's bitmask applied as the rows are read
+where nothing else needs the masked logits (the sampler's choice).
 
 The reference: temperature -> min_p -> top_k -> top_p as masks over each row (sorting each row's
 largest top_k logits, not its whole vocabulary), then a draw by the exponential race (argmax of
@@ -17,7 +19,8 @@ the noise: a handful of launches where the reference makes some forty, whatever 
    below which top_p's smallest set of most likely tokens ends.
 4. The race in chunks of the row (_race_kernel): Philox noise from the row's seed and each token's
    index (a seeded row's seed drawn from its generator, so that its samples depend on nothing
-   else in the batch), each chunk's best (score, token) packed in an int64 and maxed atomically.
+   else in the batch; a greedy row's score its logit), each chunk's best (score, token) packed in
+   an int64 key that orders it first, and the least key a row taken atomically.
 """
 
 from __future__ import annotations
@@ -70,7 +73,20 @@ def apply_top_k_top_p(
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
-def sample_ref(logits, temperature, top_k, top_p, min_p, max_top_k, generators) -> torch.Tensor:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits with -inf where the row's bitmask (int32 words of 32 tokens, a grammar's: xgrammar's
+    layout) has the token's bit clear."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    bits = (bitmask[:, cols // 32] >> (cols % 32)) & 1
+    return logits.masked_fill(bits == 0, _NEG_INF)
+
+
+def sample_ref(logits, temperature, top_k, top_p, min_p, max_top_k, generators, greedy=None, bitmask=None):
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
+    if greedy is True:
+        return logits.argmax(dim=-1)
+    argmax = logits.argmax(dim=-1) if greedy is not None else None
     logits = logits / temperature[:, None]
     if min_p is not None:
         logits = apply_min_p(logits, min_p)
@@ -81,7 +97,8 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, max_top_k, generators) 
         if gen is not None:
             uniform[i].uniform_(generator=gen)
     # argmax(p / q) = argmax(log p - log q) = argmax(logits - log q): no softmax needed
-    return logits.sub_(uniform.log_().neg_().log_()).argmax(dim=-1)
+    drawn = logits.sub_(uniform.log_().neg_().log_()).argmax(dim=-1)
+    return drawn if argmax is None else torch.where(greedy, argmax, drawn)
 
 
 @triton.jit(do_not_specialize=["s_v", "width"])  # (the batch's largest top_k: no compilation mid-serving)
@@ -151,40 +168,55 @@ def _kept_weights(values, cols, width, lower, top, t):
     return v, tl.where(v >= lower, tl.exp((v - top) / t), 0.0)
 
 
-@triton.jit(do_not_specialize=["has_threshold"])
-def _race_kernel(logits, temperature, thresholds, seeds, keys, s_l, vocab, has_threshold,
-                 CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    """keys[row]: the greatest (score, token) of the row's kept tokens, score = logit / t - log(q),
-    q = -log(U) ~ Exp(1) from the row's seed and the token's index (Philox gives four numbers a
-    call: a chunk's four quarters take one each); the score's bits ordered as an int32 in the high
-    half, the token in the low."""
+@triton.jit(do_not_specialize=["s_b", "has_threshold", "greedy_rows", "has_bitmask"])
+def _race_kernel(logits, temperature, thresholds, seeds, keys, greedy, bitmask, s_l, s_b, vocab,
+                 has_threshold, greedy_rows, has_bitmask, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """keys[row]: the least key of the row's kept tokens, the key of a score (logit / t - log(q),
+    q = -log(U) ~ Exp(1) from the row's seed and the token's index: Philox gives four numbers a
+    call, a chunk's four quarters take one each; a greedy row's logit alone) and a token: the
+    score's bits ordered as an int32 and inverted in the high half (the greatest score the least
+    key), the token in the low (ties: the first token, as an argmax). greedy_rows: 0 none, 1 the
+    rows of greedy, 2 all. A token is kept at or above the row's threshold and, with has_bitmask,
+    where its bit in the row's bitmask is set (a grammar's tokens, int32 words of 32)."""
     QUARTER: tl.constexpr = CHUNK // 4
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     i = tl.arange(0, QUARTER)
     u0, u1, u2, u3 = tl.rand4x(tl.load(seeds + row), chunk * QUARTER + i)
-    t = tl.load(temperature + row)
     pdl_wait(USE_PDL)
-    # (with no threshold, thresholds is another tensor of the batch's rows, not read as one)
-    threshold = tl.where(has_threshold != 0, tl.load(thresholds + row), -float("inf"))
+    # (a parameter the batch does not ask for is another tensor of its type, never read)
+    is_greedy = greedy_rows == 2
+    if greedy_rows == 1:
+        is_greedy = tl.load(greedy + row) != 0
+    t = 1.0
+    if greedy_rows != 2:
+        t = tl.load(temperature + row)
+    threshold = -float("inf")
+    if has_threshold != 0:
+        threshold = tl.load(thresholds + row)
     first = logits + row * s_l
+    words = bitmask + row * s_b
     cols = chunk * CHUNK + i
-    best = _best(first, cols, u0, t, threshold, vocab)
-    best = tl.maximum(best, _best(first, cols + QUARTER, u1, t, threshold, vocab))
-    best = tl.maximum(best, _best(first, cols + 2 * QUARTER, u2, t, threshold, vocab))
-    best = tl.maximum(best, _best(first, cols + 3 * QUARTER, u3, t, threshold, vocab))
-    tl.atomic_max(keys + row, best)
+    best = _best(first, words, cols, u0, t, threshold, vocab, is_greedy, has_bitmask)
+    best = tl.minimum(best, _best(first, words, cols + QUARTER, u1, t, threshold, vocab, is_greedy, has_bitmask))
+    best = tl.minimum(best, _best(first, words, cols + 2 * QUARTER, u2, t, threshold, vocab, is_greedy, has_bitmask))
+    best = tl.minimum(best, _best(first, words, cols + 3 * QUARTER, u3, t, threshold, vocab, is_greedy, has_bitmask))
+    tl.atomic_min(keys + row, best)
 
 
 @triton.jit
-def _best(row, cols, u, t, threshold, vocab):
-    """The greatest key of these tokens of the row (-inf's score for those not kept)."""
-    x = tl.load(row + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
-    kept = (cols < vocab) & (x >= threshold)
-    score = tl.where(kept, x / t - tl.log(-tl.log(u)), -float("inf"))
+def _best(row, words, cols, u, t, threshold, vocab, is_greedy, has_bitmask):
+    """The least key of these tokens of the row (-inf's score for those not kept)."""
+    inside = cols < vocab
+    x = tl.load(row + cols, mask=inside, other=-float("inf")).to(tl.float32)
+    kept = inside & (x >= threshold)
+    if has_bitmask != 0:
+        bits = tl.load(words + cols // 32, mask=inside, other=0)
+        kept = kept & (((bits >> (cols % 32)) & 1) != 0)
+    score = tl.where(kept, tl.where(is_greedy, x, x / t - tl.log(-tl.log(u))), -float("inf"))
     bits = score.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # (a float's order as a signed integer's)
-    return tl.max((ordered.to(tl.int64) << 32) | cols.to(tl.int64), axis=0)
+    return tl.min(((~ordered).to(tl.int64) << 32) | cols.to(tl.int64), axis=0)
 
 
 def _seeds(rows: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -225,30 +257,42 @@ def thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk
     return thresholds
 
 
-def sample_triton(logits, temperature, top_k, top_p, min_p, max_top_k, generators, chunk: int = 2048) -> torch.Tensor:
+def sample_triton(logits, temperature, top_k, top_p, min_p, max_top_k, generators, greedy=None, bitmask=None,
+                  *, chunk: int = 2048) -> torch.Tensor:
     rows, vocab = logits.shape
     logits = logits.contiguous()
-    seeds = _seeds(rows, generators, logits.device)
-    keys = torch.full((rows,), -(2**63), dtype=torch.int64, device=logits.device)
-    thresholds = thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk)
+    keys = torch.full((rows,), 2**63 - 1, dtype=torch.int64, device=logits.device)
+    # (what the batch does not ask for: another tensor of its type in its place, never read; an
+    # all-greedy batch draws no noise: its seeds are the keys)
+    all_greedy = greedy is True
+    seeds = keys if all_greedy else _seeds(rows, generators, logits.device)
+    thresholds = None if all_greedy else thresholds_triton(logits, temperature, top_k, top_p, min_p, max_top_k, chunk)
+    unused = keys.view(torch.float32)
     _race_kernel[(rows, triton.cdiv(vocab, chunk))](
-        logits, temperature, temperature if thresholds is None else thresholds, seeds, keys, logits.stride(0), vocab,
-        int(thresholds is not None), CHUNK=chunk, **pdl(logits))
+        logits, unused if temperature is None else temperature, unused if thresholds is None else thresholds, seeds,
+        keys, keys.view(torch.bool) if greedy is None or all_greedy else greedy,
+        keys.view(torch.int32) if bitmask is None else bitmask, logits.stride(0),
+        0 if bitmask is None else bitmask.stride(0), vocab, int(thresholds is not None),
+        2 if all_greedy else int(greedy is not None), int(bitmask is not None), CHUNK=chunk, **pdl(logits))
     return keys & 0xFFFFFFFF
 
 
 def sample(
     logits: torch.Tensor,
-    temperature: torch.Tensor,
+    temperature: torch.Tensor | None,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
     max_top_k: int | None,
     generators: list[torch.Generator | None],
+    greedy: torch.Tensor | bool | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token a row (int64) drawn from the logits (fp32 where a threshold is asked; else also
-    the model's bf16 or fp16, each value taken as its fp32 value); temperature is 1 on rows sampled
-    greedily beside them (their draw is not used)."""
+    the model's bf16 or fp16, each value taken as its fp32 value). greedy: the rows that take the
+    argmax instead ([B] bool; True: all, temperature None then), their temperature not read.
+    bitmask: [B, ceil(vocab / 32)] int32, the tokens each row may take (a grammar's), applied as
+    the row is read (the Triton path writes no masked copy)."""
     return (sample_triton if use_triton(logits) else sample_ref)(
-        logits, temperature, top_k, top_p, min_p, max_top_k, generators
+        logits, temperature, top_k, top_p, min_p, max_top_k, generators, greedy, bitmask
     )

@@ -2,9 +2,10 @@
 
 Order: structured outputs' bitmask, min_tokens masking (except on a row whose grammar then allows
 nothing: its stop tokens stay, as vLLM has it), logit_bias, allowed_token_ids and penalties on the
-logits -> greedy rows take the argmax -> the others' draw under temperature, min_p, top_k and
-top_p (kernels/sampling.py), each seeded request's from its own generator so that its samples do
-not depend on what else is in the batch.
+logits -> greedy rows take the argmax, the others draw under temperature, min_p, top_k and top_p
+(kernels/sampling.py), each seeded request's from its own generator so that its samples do not
+depend on what else is in the batch. A bitmask with nothing else to mask or threshold the logits
+is applied by the draw as it reads them (no fp32 copy, no launch of its own).
 Log-probabilities are those of the raw model output.
 """
 
@@ -177,15 +178,21 @@ class Sampler:
             self(torch.zeros(1, vocab_size, dtype=dtype, device=device), tensors)
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        # A grammar's bitmask with no other mask or threshold is applied by the draw as it reads the
+        # rows (kernels/sampling.py); else to a copy of the logits first, which the masks after it
+        # and the thresholds read.
+        masks = any(x is not None for x in (t.banned, t.bias, t.allowed, t.repetition_penalty))
+        thresholds = any(x is not None for x in (t.top_k, t.top_p, t.min_p))
+        in_draw = t.bitmask is not None and not masks and not thresholds
         # fp32 where the logits are written (a grammar's bitmask, the penalties: into a copy of their
         # own) or their sums and differences count (log-probabilities, biases, the top-k, top-p and
         # min_p thresholds); the argmax and the temperature's draw read a bf16 or fp16 model's logits
         # as they are, each value exactly its fp32 value, so the tokens are the same
-        writes = t.bitmask is not None or t.repetition_penalty is not None
-        if writes or any(x is not None for x in (t.max_logprobs, t.bias, t.top_k, t.top_p, t.min_p)):
+        writes = (t.bitmask is not None and not in_draw) or t.repetition_penalty is not None
+        if writes or thresholds or t.max_logprobs is not None or t.bias is not None:
             logits = logits.to(torch.float32, copy=writes)
         raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
-        if t.bitmask is not None:  # (structured outputs: each row's grammar, engine/structured_output.py)
+        if t.bitmask is not None and not in_draw:  # (structured outputs: engine/structured_output.py)
             from xgrammar import apply_token_bitmask_inplace
 
             apply_token_bitmask_inplace(logits, t.bitmask)
@@ -206,10 +213,13 @@ class Sampler:
             logits = apply_penalties(
                 logits, t.prompt_ids, t.output_ids, t.repetition_penalty, t.frequency_penalty, t.presence_penalty
             )
-        sampled = logits.argmax(dim=-1) if t.any_greedy else None
-        if not t.all_greedy:
-            random = sample(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.max_top_k, t.generators)
-            sampled = random if sampled is None else torch.where(t.greedy, sampled, random)
+        if t.all_greedy and not in_draw:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = sample(
+                logits, t.temperature, t.top_k, t.top_p, t.min_p, t.max_top_k, t.generators,
+                True if t.all_greedy else t.greedy, t.bitmask if in_draw else None,
+            )  # fmt: skip
         return (
             SamplerOutput(sampled, None, None, None, None)
             if raw_logprobs is None
