@@ -436,6 +436,59 @@ def test_fp8_gemm(dtype, fusion, m, loads):
         )
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("fusion", ["plain", "bias", "residual"])
+@pytest.mark.parametrize("m", [2, 37, 64])
+@pytest.mark.parametrize("deep", [False, True])
+def test_gemm_of_a_bf16_or_fp16_weight(dtype, fusion, m, deep):
+    """A bf16 or fp16 layer's GEMM at 2-64 tokens (kernels/gemm.py) at gemm_config's tiles: N and K
+    not multiples of them; deep, a weight at least four times deeper than it has rows, its K split
+    over three programs a tile (run twice: the tiles' counters back at zero for the next call);
+    against F.linear in fp32 rounded as the unfused ops round (the output, then the residual sum)."""
+    from picovllm.kernels.gemm import gemm_config, gemm_triton
+
+    g = torch.Generator().manual_seed(12)
+    n, k = (40, 300) if deep else (80, 300)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if fusion == "bias" else None
+    residual = torch.randn(m, n, generator=g).to(dtype).to(DEV) if fusion == "residual" else None
+    expect = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+    if residual is not None:
+        expect = (residual.float() + expect.float()).to(dtype)
+    assert gemm_config(m, n, k).get("SPLIT_K", 1) == (4 if deep else 1)
+    for _ in range(2):
+        got = gemm_triton(x, w, bias, residual, dtype)
+        assert got.shape == (m, n) and got.dtype == dtype
+        _close(got, expect, dtype)
+
+
+def test_linear_streams_a_bf16_or_fp16_layer_at_2_to_64_rows(monkeypatch):
+    """linear() takes kernels/gemm.py's GEMM for 2-64 rows of a half-precision layer (fp16 in the
+    interpreter, bf16 too on Hopper), not for one row (the GEMV's), 65 or more, fp32, or a weight
+    as wide as a vocabulary (the LM head's, on cuBLAS); the bias and residual in its epilogue, the
+    same values as the unfused ops'."""
+    from picovllm.kernels import gemm, triton_utils
+    from picovllm.model.layers import linear as linear_module
+
+    if DEV == "cpu":
+        monkeypatch.setattr(triton_utils, "ON_CPU", True)
+    dtype = torch.float16
+    w = torch.randn(48, 64, dtype=dtype, device=DEV) / 8
+    x = torch.randn(65, 64, dtype=dtype, device=DEV)
+    assert [gemm.streams(x[:r], w) for r in (1, 2, 64, 65)] == [False, True, True, False]
+    assert not gemm.streams(x[:8].float(), w.float())
+    assert not gemm.streams(x[:8], torch.empty(gemm.MAX_WEIGHT_ROWS + 1, 64, dtype=dtype, device=DEV))
+    calls = []
+    monkeypatch.setattr(linear_module, "gemm_triton", lambda *a: calls.append(1) or gemm.gemm_triton(*a))
+    bias, residual = torch.randn(48, dtype=dtype, device=DEV), torch.randn(8, 48, dtype=dtype, device=DEV)
+    y = torch.nn.functional.linear(x[:8].float(), w.float(), bias.float()).to(dtype)
+    _close(
+        linear_module.linear(x[:8], w, bias, residual=residual.clone()), (residual.float() + y.float()).to(dtype), dtype
+    )
+    assert calls == [1]
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="cuBLAS's FP8 GEMM: the GPU's")
 @pytest.mark.parametrize("rows", [9, 300])
 def test_fp8_linear_on_both_gemms(rows):

@@ -13,8 +13,9 @@ Usage: PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py
          registers a thread holds. Where the instructions, not the weight's bytes, set a GEMV's
          time, fewer per element is faster.
        PYTHONPATH=.:tests python benchmarks/kernels/kernel_sass.py fp8_gemm [ROWS ...]
-         the FP8 GEMM (kernels/fp8_gemm.py) at the engine's tiles for Qwen2.5-1.5B's projections
-         at 8, 64, 128, 256 rows (or those given): its K loop's instructions and their kinds.
+         the FP8 GEMM (kernels/gemm.py) at the engine's tiles (fp8_gemm.py's) for Qwen2.5-1.5B's
+         projections at 8, 64, 128, 256 rows (or those given): its K loop's instructions and their
+         kinds.
 Integer arguments are given as Triton would see them at launch: strides of 1 as constants, the
 others divisible by 16 (the block-table row stride is not specialised)."""
 
@@ -197,22 +198,23 @@ FP8_GEMM_PROJECTIONS = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (1792
 
 
 def fp8_gemm_loops(row_counts: list[int]) -> None:
-    """The FP8 GEMM (kernels/fp8_gemm.py) at the engine's tiles for each projection and row count:
-    its K loop's instructions, the tensor-core ones (QGMMA), the copies to shared memory (LDGSTS:
-    a thread's 16-byte copy; UTMALDG: a TMA copy), the fp32 adds of the promotion, and what
-    would show the loads not vectorised (LDG, PRMT, STS) or registers spilled (LDL, STL)."""
-    from picovllm.kernels import fp8_gemm
+    """The FP8 GEMM (kernels/gemm.py) at the engine's tiles (fp8_gemm.py's) for each projection and
+    row count: its K loop's instructions, the tensor-core ones (QGMMA), the copies to shared memory
+    (LDGSTS: a thread's 16-byte copy; UTMALDG: a TMA copy), the fp32 adds of the promotion, and
+    what would show the loads not vectorised (LDG, PRMT, STS) or registers spilled (LDL, STL)."""
+    from picovllm.kernels import fp8_gemm, gemm
 
     e4m3, fp32, bf16 = "*fp8e4nv", "*fp32", "*bf16"
     pointers = dict(a=e4m3, weight=e4m3, a_scale=fp32, weight_scale=fp32, partial=fp32, arrivals="*i32")
     pointers.update(bias=bf16, residual=bf16, out=bf16)
-    fn = fp8_gemm._fp8_gemm_kernel
+    fn = gemm._gemm_kernel
     for name, (n, k) in FP8_GEMM_PROJECTIONS.items():
         for rows in row_counts:
             cfg = fp8_gemm.fp8_gemm_config(rows, n, k)
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
             split, tma = cfg.pop("SPLIT_K", 1), cfg.pop("TMA", False)
-            constants = dict(HAS_BIAS=False, HAS_RESIDUAL=False, SPLIT=split > 1, TMA=tma, USE_PDL=True, **cfg)
+            constants = dict(HAS_SCALE=True, HAS_BIAS=False, HAS_RESIDUAL=False, SPLIT=split > 1, TMA=tma, USE_PDL=True)
+            constants.update(cfg)
             tiles = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
             pointers.update(a_desc=f"tensordesc<fp8e4nv[{tiles[0]},{tiles[2]}]>")
             pointers.update(w_desc=f"tensordesc<fp8e4nv[{tiles[1]},{tiles[2]}]>")

@@ -6,41 +6,30 @@ with a scale per row of each operand.
   magnitude is e4m3's largest; one program a row, which norms the row first when the layer takes
   its input's RMSNorm, or takes SiLU*mul of a gate_up row's halves for the down projection from
   SILU_MUL_FUSED_MIN_ROWS rows (the norm's or the activation's own kernel spared).
-- fp8_gemm: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias, the sums in fp32
-  (on every tile), the scales, bias and residual in the epilogue (rounded as the unfused ops
-  round: the output to the model dtype, then the residual sum). Each program streams BLOCK_N
-  weight rows over BLOCK_M tokens, over all of K or, for a deep weight, its share of K (SPLIT_K
-  programs a tile, the last to finish adding them up); at decode's few tokens the weight's bytes
-  set the time, so the tiles keep enough programs in flight (fp8_gemm_config). A wide weight
-  (gate_up) at 65-256 tokens takes all of them in one 128-token tile, read through TMA
-  descriptors (Hopper's copy engine), where the same tile loaded by the threads ran slower.
+- fp8_gemm_triton: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias by
+  kernels/gemm.py's weight-streaming GEMM (the sums in fp32 on every tile; the scales, bias and
+  residual in its epilogue) at fp8_gemm_config's tiles: enough programs in flight at decode's
+  few tokens, whose weight's bytes set the time; a wide weight (gate_up) at 65-256 tokens takes
+  all of them in one 128-token tile, read through TMA descriptors (Hopper's copy engine), where
+  the same tile loaded by the threads ran slower.
 - fp8_linear: the two, or past SCALED_MM_MIN_ROWS tokens in bf16 (prompts) cuBLAS's FP8 GEMM
   (torch._scaled_mm), which measured faster there (benchmarks/kernels/fp8_gemm.py).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from picovllm.kernels.gemm import gemm_triton
 from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_row
 from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_values
-from picovllm.kernels.triton_utils import hopper_or_later, next_pow2, pdl, pdl_wait, tl, triton, use_triton
+from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
 from picovllm.model.layers.fp8 import FP8, FP8_MAX
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    HAS_TMA = True
-except ImportError:  # (no Triton, or one without host-side tensor descriptors)
-    HAS_TMA = False
 
 SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
 # From this many rows the MLP's SiLU*mul runs in the kernel quantizing the down projection's input
 # (one program a row, model/qwen2.py); below, its own kernel, whose grid also splits the row, was
 # faster at decode's batches of 8-128 (benchmarks/README.md, the FP8 section).
 SILU_MUL_FUSED_MIN_ROWS = 129
-MAX_TILES = 8192  # (a split GEMM's tiles: _arrivals)
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # (vLLM's floor: an all-zero row gets this scale and zeros)
 
 
@@ -118,79 +107,6 @@ def fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, w
     return y if residual is None else (residual.float() + y.float()).to(dtype)
 
 
-@triton.jit
-def _fp8_epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om,
-                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The fp32 sums scaled, the bias and the residual added, stored in the output's dtype."""
-    dt = out.dtype.element_ty
-    acc *= tl.load(a_scale + m, mask=mmask, other=0.0)[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(dt)
-    omask = mmask[:, None] & nmask[None, :]
-    if HAS_RESIDUAL:
-        res = tl.load(residual + m[:, None] * s_rm + n[None, :], mask=omask, other=0.0)
-        y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
-    tl.store(out + m[:, None] * s_om + n[None, :], y, mask=omask)
-
-
-@triton.jit
-def _fp8_gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial, arrivals, a_desc, w_desc, M, N,
-                     K, k_per_split, s_am, s_wn, s_rm, s_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     SPLIT: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    m0 = tl.program_id(1) * BLOCK_M
-    n = n0 + tl.arange(0, BLOCK_N)
-    m = m0 + tl.arange(0, BLOCK_M)
-    nmask = n < N
-    mmask = m < M
-    w_scale = tl.load(weight_scale + n, mask=nmask, other=0.0)
-    k_start = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    pdl_wait(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if TMA:  # (the tiles by the copy engine; past M, N and K it reads zeros; a split ends on a tile)
-            at = a_desc.load([m0, k0])
-            wt = w_desc.load([n0, k0]).T
-        else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < k_end
-            at = tl.load(a + m[:, None] * s_am + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(weight + n[None, :] * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
-        # Hopper's 64-token FP8 tiles (wgmma) add in less than fp32's precision, and Triton's
-        # default on sm_90 never promotes them: greedy tokens then drift from the reference. Each
-        # instruction's 32 products go to the fp32 sum.
-        acc = tl.dot(at, wt, acc, max_num_imprecise_acc=32)
-    if not SPLIT:
-        _fp8_epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om, HAS_BIAS,
-                      HAS_RESIDUAL)
-    else:
-        # Each split's sums to the workspace; the last split of the tile to arrive adds them all, in
-        # split order (the same result whichever arrives last), and resets the tile's counter.
-        omask = mmask[:, None] & nmask[None, :]
-        mn = m[:, None] * N + n[None, :]
-        tl.store(partial + tl.program_id(2) * M * N + mn, acc, mask=omask)
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(arrivals + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(tl.num_programs(2)):
-                acc += tl.load(partial + s * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrivals + tile, 0)
-            _fp8_epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om, HAS_BIAS,
-                          HAS_RESIDUAL)
-
-
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The split GEMM's arrival counters, one a tile, zero between calls (each call's last split
-    resets its tile's): allocated once per device, before any CUDA graph's capture. Shared by
-    every call on the device, which holds because a device's GEMMs run one after another (the
-    model's forward is one stream)."""
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-
-
 def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     """Tiles for m tokens of an [n, k] FP8 weight: all of them in one tile up to 64 (the weight read
     once), and narrow weight tiles, 16 rows for a weight of at most 2,048, 32 beyond; a weight at
@@ -220,47 +136,13 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
 
 
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether tiles of these e4m3 matrices can be read by TMA descriptors: a GPU that has TMA
-    (Hopper on; Ada's FP8 GEMM loads by pointers; the CPU's interpreter has them), rows
-    contiguous, each row and the start 16-byte aligned."""
-    return (
-        HAS_TMA
-        and all(hopper_or_later(t) or not t.is_cuda for t in tensors)
-        and all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
-    )
-
-
 def fp8_gemm_triton(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, residual: torch.Tensor | None, dtype: torch.dtype,
                     config: dict | None = None) -> torch.Tensor:
-    """config: the tiles (fp8_gemm_config's), SPLIT_K, how many programs share each tile's K (1 when
-    not given), and TMA, the tiles read through TMA descriptors (where the matrices allow it)."""
-    m, k = a.shape
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=dtype, device=a.device)
-    cfg = dict(config or fp8_gemm_config(m, n, k, exact=dtype == torch.float32))
-    block_k = cfg["BLOCK_K"]
-    split = min(cfg.pop("SPLIT_K", 1), triton.cdiv(k, block_k))
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
-    split = triton.cdiv(k, k_per_split)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-    a_desc = w_desc = None
-    if cfg.pop("TMA", False) and _tma_ready(a, weight):
-        a_desc = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], block_k])
-        w_desc = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], block_k])
-    if split > 1:
-        assert grid[0] * grid[1] <= MAX_TILES, f"{grid[0] * grid[1]} tiles, more than {MAX_TILES}"
-        partial, arrivals = torch.empty((split, m, n), dtype=torch.float32, device=a.device), _arrivals(a.device)
-    else:
-        partial = arrivals = out
-    res = residual if residual is not None else out
-    _fp8_gemm_kernel[grid](a, a_scale, weight, weight_scale, bias if bias is not None else out, res, out, partial,
-                           arrivals, a_desc, w_desc, m, n, k, k_per_split, a.stride(0), weight.stride(0),
-                           res.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                           HAS_RESIDUAL=residual is not None, SPLIT=split > 1, TMA=a_desc is not None, **cfg,
-                           **pdl(a))
-    return out
+    """What fp8_gemm_ref computes, by kernels/gemm.py's GEMM; config: its tiles (fp8_gemm_config's
+    when not given)."""
+    config = config or fp8_gemm_config(a.shape[0], weight.shape[0], a.shape[1], exact=dtype == torch.float32)
+    return gemm_triton(a, weight, bias, residual, dtype, a_scale, weight_scale, config)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -5,9 +5,10 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
-is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other. An FP8 weight
-(model/layers/fp8.py) at more rows goes through kernels/fp8_gemm.py's fp8_linear, the bias and
-residual in its GEMM's epilogue.
+is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other, the GEMM at 2-64
+tokens on Hopper the weight-streaming one of kernels/gemm.py (the bias and residual in its
+epilogue), else cuBLAS's. An FP8 weight (model/layers/fp8.py) at more rows goes through
+kernels/fp8_gemm.py's fp8_linear, the bias and residual in its GEMM's epilogue.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from picovllm.config import check_tp_heads
 from picovllm.distributed.communicator import tp_all_reduce
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from picovllm.kernels.fp8_gemm import fp8_linear
+from picovllm.kernels.gemm import gemm_triton, streams
 from picovllm.kernels.gemv import gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
@@ -70,6 +72,11 @@ def linear(
         return y if residual is None else residual.add_(y)
     if norm is not None:
         x = norm(x)
+    if streams(x, weight):  # (2-64 tokens on Hopper: kernels/gemm.py, the bias and residual in its epilogue)
+        if not silu_mul:
+            return gemm_triton(x, weight, bias, residual, x.dtype)
+        y = silu_mul_op(gemm_triton(x, weight, bias, None, x.dtype))
+        return y if residual is None else residual.add_(y)
     if weight.is_mkldnn:  # (oneDNN's own layout on a CPU: pack_weights)
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     elif residual is not None and bias is None and not silu_mul and x.dim() == 2:
