@@ -41,14 +41,14 @@ def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
     MAX_WEIGHT_ROWS rows (the layers' projections: cuBLAS reads the LM head's 151,936 rows at 93%
     of copy bandwidth at 8 rows, benchmarks/README.md's batch-8 profile)."""
     return (
-        use_triton(x)
-        and (hopper_or_later(x) or (not x.is_cuda and x.dtype == torch.float16))
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.dim() == 2
+        x.dim() == 2
         and 2 <= x.shape[0] <= GEMM_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(1) == 1
         and weight.shape[0] <= MAX_WEIGHT_ROWS
         and not weight.is_mkldnn  # (a CPU's packed weight: model/layers/linear.py's pack_weights)
+        and use_triton(x)
+        and (hopper_or_later(x) or (not x.is_cuda and x.dtype == torch.float16))
     )
 
 
