@@ -80,6 +80,11 @@ def test_structured_runs_both_ways_with_the_same_shape(tiny_qwen, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "structured"
     argv = ["bench", "structured", "--model", "dummy:qwen2.5-0.5b", "--tokenizer", tiny_qwen[0], "--device", "cpu"]
     assert main([*argv, "--batch-size", "2", "--input-len", "4", "--output-len", "3", "--max-model-len", "64"]) == 0
+    assert result["sampling"] == {"temperature": 0.6}
+    config = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "qwen2.5-7b-instruct")
+    result = run_structured({**kwargs, "generation_config": config}, batch_size=2, input_len=8, output_len=4)
+    assert result["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    assert [r["tokens"] for r in result["runs"]] == [8, 8]
 
 
 def test_prefix_scenarios(tiny_qwen, capsys):

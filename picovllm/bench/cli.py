@@ -178,8 +178,9 @@ def add_bench_parser(sub, engine_parser: argparse.ArgumentParser) -> None:
         "structured",
         parents=[engine_parser],
         help="structured outputs' cost: decode under a JSON schema against unconstrained",
-        description="A batch decodes the same number of tokens unconstrained, then under a JSON schema; "
-        "and the grammar compile times. A dummy model needs --tokenizer DIR.",
+        description="A batch decodes the same number of tokens unconstrained, then under a JSON schema, at "
+        "temperature 0.6 or with the sampling settings the model's generation config asks for "
+        "(--generation-config); and the grammar compile times. A dummy model needs --tokenizer DIR.",
     )
     _sized(st, "--batch-size", 64, 8, type=positive_int)
     _sized(st, "--input-len", 128, 32, type=positive_int)

@@ -1,8 +1,10 @@
 """`picovllm bench structured`: what structured outputs cost. A batch of requests decodes the
 same number of tokens twice, unconstrained and then each under a JSON schema that no answer of
 that length completes (a list of at least 1,000 records: objects, strings, integers), so that
-both runs have the same shape: the difference is the masks (filled on the host, applied before
-sampling) and the steps no longer launched ahead. The two runs take turns `repeat` times; the best
+both runs have the same shape: the difference is the masks (filled on the host, applied as the
+sampler draws) and the steps no longer launched ahead. Both sample at temperature 0.6, or under
+the model's generation config when it has one (--generation-config: a Qwen-Instruct model's
+top-k, top-p and repetition penalty). The two runs take turns `repeat` times; the best
 of each is kept (the host's noise only ever adds). Also: the time to build the grammar compiler
 (once per engine) and to compile a typical schema (a tool's arguments)."""
 
@@ -63,7 +65,9 @@ def run_structured(
     rng = np.random.default_rng(seed)
     vocab = min(engine.model_config.vocab_size, 30000)
     prompts = [{"prompt_token_ids": rng.integers(100, vocab, size=input_len).tolist()} for _ in range(batch_size)]
-    free = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
+    sampling = {"temperature": 0.6, **engine.sampling_defaults}  # (the model's generation config's, if any)
+    sampling.pop("max_tokens", None)
+    free = SamplingParams(**sampling, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     engine.structured.compile(StructuredOutputsParams(json={"type": "object"}))  # (the compiler, once)
     compiler_s = time.perf_counter() - start
@@ -71,7 +75,7 @@ def run_structured(
     engine.structured.compile(StructuredOutputsParams(json=TYPICAL))
     compile_s = time.perf_counter() - start
     constrained = SamplingParams(
-        temperature=0.6, max_tokens=output_len, structured_outputs=StructuredOutputsParams(json=json.dumps(LONG))
+        **sampling, max_tokens=output_len, structured_outputs=StructuredOutputsParams(json=json.dumps(LONG))
     )
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     llm.generate(
@@ -121,6 +125,7 @@ def run_structured(
     print(f"grammar compiler built in {1e3 * compiler_s:.0f} ms; a typical schema compiled in {1e3 * compile_s:.1f} ms")
     result = {"model": llm_kwargs.get("model"), "device": str(engine.device), "batch_size": batch_size,
               "input_len": input_len, "output_len": output_len, "compiler_ms": 1e3 * compiler_s,
-              "typical_schema_compile_ms": 1e3 * compile_s, "repeat": repeat, "runs": rows}  # fmt: skip
+              "typical_schema_compile_ms": 1e3 * compile_s, "repeat": repeat, "sampling": sampling,
+              "runs": rows}  # fmt: skip
     print_json("structured", result)
     return result
