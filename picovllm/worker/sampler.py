@@ -46,10 +46,6 @@ class SamplingTensors:
     bitmask: torch.Tensor | None = None  # [B, vocab / 32] int32: the tokens each row's grammar allows
     max_top_k: int | None = None  # the largest of top_k (on the host): how many logits of a row are sorted
 
-    @property
-    def any_greedy(self) -> bool:
-        return self.all_greedy or self.greedy is not None
-
     def with_in_flight(self, tokens: torch.Tensor, vocab_size: int) -> SamplingTensors:
         """These tensors with the first len(tokens) rows' tokens in flight (sampled, still on the
         device: a step launched ahead decodes them) appended to their output_ids, which the host
@@ -184,15 +180,16 @@ class Sampler:
         masks = any(x is not None for x in (t.banned, t.bias, t.allowed, t.repetition_penalty))
         thresholds = any(x is not None for x in (t.top_k, t.top_p, t.min_p))
         in_draw = t.bitmask is not None and not masks and not thresholds
+        masked_copy = t.bitmask is not None and not in_draw
         # fp32 where the logits are written (a grammar's bitmask, the penalties: into a copy of their
         # own) or their sums and differences count (log-probabilities, biases, the top-k, top-p and
         # min_p thresholds); the argmax and the temperature's draw read a bf16 or fp16 model's logits
         # as they are, each value exactly its fp32 value, so the tokens are the same
-        writes = (t.bitmask is not None and not in_draw) or t.repetition_penalty is not None
+        writes = masked_copy or t.repetition_penalty is not None
         if writes or thresholds or t.max_logprobs is not None or t.bias is not None:
             logits = logits.to(torch.float32, copy=writes)
         raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
-        if t.bitmask is not None and not in_draw:  # (structured outputs: engine/structured_output.py)
+        if masked_copy:  # (structured outputs: engine/structured_output.py)
             from xgrammar import apply_token_bitmask_inplace
 
             apply_token_bitmask_inplace(logits, t.bitmask)
