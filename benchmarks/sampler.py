@@ -4,7 +4,8 @@ with a 100-token prompt and 100 tokens of output (the penalties' inputs).
 
 Kinds: greedy; temperature 0.7; Qwen2.5-Instruct's generation config (temperature 0.7, top_p 0.8,
 top_k 20, repetition_penalty 1.05: what its requests get by default); top_p 0.9 alone (the whole
-vocabulary sorted).
+vocabulary sorted); temperature 0.7 and the generation config under a grammar's bitmask (random
+bits: the draw applies it, or an fp32 copy masked first).
 
 Usage: PYTHONPATH=. python benchmarks/sampler.py [ROWS ...]  (default: 1 8 64)"""
 
@@ -23,12 +24,15 @@ KINDS = {
     "temperature": SamplingParams(temperature=0.7),
     "Qwen2.5's generation config": SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
     "top_p alone": SamplingParams(temperature=0.7, top_p=0.9),
+    "temperature, a bitmask": SamplingParams(temperature=0.7),
+    "the config, a bitmask": SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
 }
 
 
-def tensors(rows: int, params: SamplingParams, device: torch.device) -> SamplingTensors:
+def tensors(rows: int, params: SamplingParams, device: torch.device, masked: bool) -> SamplingTensors:
     ids = [list(range(100))] * rows
     penalties = params.has_penalties
+    bits = torch.randint(-(2**31), 2**31, (rows, -(-VOCAB // 32)), dtype=torch.int64).to(torch.int32)
     batch = SamplingBatch(
         [str(i) for i in range(rows)],
         [params] * rows,
@@ -37,7 +41,7 @@ def tensors(rows: int, params: SamplingParams, device: torch.device) -> Sampling
         ids if penalties else None,
         ids if penalties else None,
         [],
-        None,
+        bits if masked else None,
     )
     return SamplingTensors.from_batch(batch, [None] * rows, VOCAB, set(), device)
 
@@ -49,8 +53,8 @@ def main(rows_list: list[int]) -> None:
     for rows in rows_list:
         logits = torch.randn(rows, VOCAB, device=device) * 3
         cells = []
-        for params in KINDS.values():
-            t = tensors(rows, params, device)
+        for kind, params in KINDS.items():
+            t = tensors(rows, params, device, masked="bitmask" in kind)
             sampler(logits, t)
             calls = 20 if device.type == "cuda" else 3
             if device.type == "cuda":

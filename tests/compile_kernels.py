@@ -88,6 +88,7 @@ def main(dt: str) -> None:
         (sampling._count_kernel, dict(CHUNK=2048), sampler),
         (sampling._threshold_kernel, dict(TILE=1024, CHUNKS=128), sampler),
         (sampling._race_kernel, dict(CHUNK=2048), sampler),
+        (sampling._masked_fp32_kernel, dict(BLOCK=2048), {"logits": p, "bitmask": "*i32", "out": "*fp32"}),
         (penalties._penalty_kernel, dict(TILE=512), {"logits": "*fp32", "seen_logits": "*fp32", "prompt_ids": "*i64",
                                                      "output_ids": "*i64", "ordered": "*i64", "repetition": "*fp32",
                                                      "frequency": "*fp32", "presence": "*fp32"}),

@@ -492,7 +492,13 @@ def test_no_step_compiles_a_sampler_kernel(enforce_eager):
     from picovllm.kernels import penalties, sampling
 
     _free_gpu()  # (an engine of a test before, gone)
-    kernels = [sampling._count_kernel, sampling._threshold_kernel, sampling._race_kernel, penalties._penalty_kernel]
+    kernels = [
+        sampling._count_kernel,
+        sampling._threshold_kernel,
+        sampling._race_kernel,
+        sampling._masked_fp32_kernel,
+        penalties._penalty_kernel,
+    ]
     for k in kernels:  # (what an engine of a test before compiled, forgotten)
         k.device_caches.clear()
     llm = LLM(**DUMMY_1P5B, enforce_eager=enforce_eager)
@@ -501,7 +507,7 @@ def test_no_step_compiles_a_sampler_kernel(enforce_eager):
         return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]
 
     before = compiled()
-    assert before == [1, 1, 1, 1]
+    assert before == [1, 1, 1, 1, 1]
     params = [
         SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, max_tokens=40, ignore_eos=True),
         SamplingParams(temperature=1.0, top_k=1, max_tokens=33, ignore_eos=True, seed=3),

@@ -812,6 +812,31 @@ def test_sampling_draws_under_a_bitmask_follow_the_allowed_distribution():
     torch.testing.assert_close(shares, expect, atol=0.07, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_fp32_copy_equals_the_reference(dtype):
+    """A grammar's bitmask applied to an fp32 copy of the logits in one pass (kernels/sampling.py's
+    masked_fp32): exactly apply_bitmask's on the fp32 values, rows of a strided view, a vocabulary
+    that ends inside a bitmask word and a chunk; the logits left as they were."""
+    from picovllm.kernels.sampling import _masked_fp32_kernel, apply_bitmask, masked_fp32
+    from picovllm.kernels.triton_utils import pdl
+
+    g = torch.Generator().manual_seed(6)
+    rows, vocab = 5, 300
+    logits = (torch.randn(rows, vocab + 20, generator=g) * 3).to(dtype).to(DEV)[:, :vocab]
+    bitmask = torch.randint(-(2**31), 2**31, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32).to(DEV)
+    before = logits.clone()
+    expect = apply_bitmask(logits.float(), bitmask)
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=DEV)
+    _masked_fp32_kernel[(rows, 3)](
+        logits, bitmask, out, logits.stride(0), bitmask.stride(0), vocab, BLOCK=128, **pdl(logits)
+    )
+    assert torch.equal(out, expect) and torch.equal(logits, before)
+    assert 0.3 < (expect == float("-inf")).float().mean() < 0.7
+    if DEV == "cuda":
+        assert torch.equal(masked_fp32(logits, bitmask), expect)
+
+
 def test_penalties_kernel_equals_reference():
     """Repetition, frequency and presence penalties at the seen tokens, exactly the reference's:
     prompts and outputs of different lengths (padding), repeated tokens, tokens in both, a row

@@ -204,12 +204,10 @@ def _bitmask(allowed: list[list[int]], vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_grammars_bitmask_alone_is_applied_by_the_draw(draw_path, dtype, monkeypatch):
     """A bitmask with nothing else to mask the logits is applied by the draw as it reads them (no
-    xgrammar call, no copy): greedy rows take the argmax of their allowed tokens (the first of a
-    tie), seeded rows draw the very token they draw from the masked copy (a zero logit_bias on
-    the batch takes that path), every row one of its allowed tokens."""
+    masked copy): greedy rows take the argmax of their allowed tokens (the first of a tie), seeded
+    rows draw the very token they draw from the masked copy (a zero logit_bias on the batch takes
+    that path), every row one of its allowed tokens."""
     import dataclasses
-
-    import xgrammar
 
     vocab = 300
     logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
@@ -217,8 +215,8 @@ def test_a_grammars_bitmask_alone_is_applied_by_the_draw(draw_path, dtype, monke
     logits[0, 40] = logits[0, 41] = logits[0].max() + 1  # (a tie among the allowed: the first wins)
     bitmask = _bitmask(allowed, vocab)
     calls = []
-    apply = xgrammar.apply_token_bitmask_inplace
-    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", lambda *a: calls.append(1) or apply(*a))
+    copy = sampler_module.masked_fp32
+    monkeypatch.setattr(sampler_module, "masked_fp32", lambda *a: calls.append(1) or copy(*a))
 
     def draw(params: list[SamplingParams], masked_copy: bool) -> list[int]:
         if masked_copy:

@@ -81,6 +81,29 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(bits == 0, _NEG_INF)
 
 
+@triton.jit
+def _masked_fp32_kernel(logits, bitmask, out, s_l, s_b, vocab, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < vocab
+    pdl_wait(USE_PDL)
+    bits = tl.load(bitmask + row * s_b + cols // 32, mask=inside, other=0)
+    x = tl.load(logits + row * s_l + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * vocab + cols, tl.where(((bits >> (cols % 32)) & 1) != 0, x, -float("inf")), mask=inside)
+
+
+def masked_fp32(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """apply_bitmask's, in fp32 and a tensor of its own (which the masks after it may write): the
+    copy and the mask in one pass on the Triton path."""
+    if not use_triton(logits):
+        return apply_bitmask(logits.float(), bitmask)
+    rows, vocab = logits.shape
+    out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    _masked_fp32_kernel[(rows, triton.cdiv(vocab, block))](logits, bitmask, out, logits.stride(0), bitmask.stride(0),
+                                                           vocab, BLOCK=block, **pdl(logits))
+    return out
+
+
 def sample_ref(logits, temperature, top_k, top_p, min_p, max_top_k, generators, greedy=None, bitmask=None):
     if bitmask is not None:
         logits = apply_bitmask(logits, bitmask)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from picovllm.kernels.penalties import apply_penalties
-from picovllm.kernels.sampling import sample
+from picovllm.kernels.sampling import masked_fp32, sample
 from picovllm.messages import SamplerOutput, SamplingBatch
 from picovllm.sampling_params import SamplingParams
 
@@ -162,37 +162,38 @@ def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class Sampler:
     def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        """A draw under every sampling parameter (fp32 logits), and one under a temperature alone
-        (the model's dtype, `dtype`): a GPU compiles the sampler's kernels here (one of each serves
-        every batch), before serving, not in a step."""
-        for params in (
-            SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.05),
-            SamplingParams(temperature=0.7),
+        """A draw under every sampling parameter and a grammar's bitmask (the logits' fp32 copy
+        masked), and one under a temperature alone (the model's dtype, `dtype`, as the draw reads
+        it): a GPU compiles the sampler's kernels here (one of each serves every batch), before
+        serving, not in a step."""
+        every_token = torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32)
+        for params, bitmask in (
+            (SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.05, repetition_penalty=1.05), every_token),
+            (SamplingParams(temperature=0.7), None),
         ):
-            batch = SamplingBatch(["warm-up"], [params], [None], [1], [[0]], [[1]])
+            batch = SamplingBatch(["warm-up"], [params], [None], [1], [[0]], [[1]], bitmask=bitmask)
             tensors = SamplingTensors.from_batch(batch, [None], vocab_size, set(), device)
             self(torch.zeros(1, vocab_size, dtype=dtype, device=device), tensors)
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         # A grammar's bitmask with no other mask or threshold is applied by the draw as it reads the
-        # rows (kernels/sampling.py); else to a copy of the logits first, which the masks after it
-        # and the thresholds read.
+        # rows (kernels/sampling.py); else to an fp32 copy of the logits first (in one pass), which
+        # the masks after it and the thresholds read.
         masks = any(x is not None for x in (t.banned, t.bias, t.allowed, t.repetition_penalty))
         thresholds = any(x is not None for x in (t.top_k, t.top_p, t.min_p))
         in_draw = t.bitmask is not None and not masks and not thresholds
-        masked_copy = t.bitmask is not None and not in_draw
-        # fp32 where the logits are written (a grammar's bitmask, the penalties: into a copy of their
-        # own) or their sums and differences count (log-probabilities, biases, the top-k, top-p and
-        # min_p thresholds); the argmax and the temperature's draw read a bf16 or fp16 model's logits
-        # as they are, each value exactly its fp32 value, so the tokens are the same
-        writes = masked_copy or t.repetition_penalty is not None
-        if writes or thresholds or t.max_logprobs is not None or t.bias is not None:
-            logits = logits.to(torch.float32, copy=writes)
-        raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
-        if masked_copy:  # (structured outputs: engine/structured_output.py)
-            from xgrammar import apply_token_bitmask_inplace
-
-            apply_token_bitmask_inplace(logits, t.bitmask)
+        if t.bitmask is not None and not in_draw:  # (structured outputs: engine/structured_output.py)
+            raw_logprobs = logits.float().log_softmax(dim=-1) if t.max_logprobs is not None else None
+            logits = masked_fp32(logits, t.bitmask)
+        else:
+            # fp32 where the logits are written (the penalties: into a copy of their own) or their
+            # sums and differences count (log-probabilities, biases, the top-k, top-p and min_p
+            # thresholds); the argmax and the temperature's draw read a bf16 or fp16 model's logits
+            # as they are, each value exactly its fp32 value, so the tokens are the same
+            writes = t.repetition_penalty is not None
+            if writes or thresholds or t.max_logprobs is not None or t.bias is not None:
+                logits = logits.to(torch.float32, copy=writes)
+            raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs is not None else None
         if t.banned is not None:
             banned = logits.index_put(t.banned, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
             if t.bitmask is not None:  # (a grammar that allows only stop tokens outranks min_tokens)
