@@ -489,6 +489,33 @@ def test_linear_streams_a_bf16_or_fp16_layer_at_2_to_64_rows(monkeypatch):
     assert calls == [1]
 
 
+def test_one_row_of_a_deep_fp8_weight_takes_the_split_gemm(monkeypatch):
+    """At one row linear() runs the GEMV, but for an FP8 weight at least four times deeper than it
+    has rows (the down projection), whose K the GEMM splits over programs: that one takes
+    fp8_linear (its row quantized, then the split GEMM), the same values."""
+    from picovllm.kernels import fp8_gemm, gemv, triton_utils
+    from picovllm.model.layers import linear as linear_module
+    from picovllm.model.layers.fp8 import quantize_fp8
+
+    if DEV == "cpu":
+        monkeypatch.setattr(triton_utils, "ON_CPU", True)
+    g = torch.Generator().manual_seed(14)
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
+    calls = []
+    monkeypatch.setattr(
+        linear_module, "gemv_triton", lambda *a, **kw: calls.append("gemv") or gemv.gemv_triton(*a, **kw)
+    )
+    monkeypatch.setattr(linear_module, "fp8_linear", lambda *a: calls.append("gemm") or fp8_gemm.fp8_linear(*a))
+    for n, k in ((48, 64), (16, 64)):  # (shallow, deep)
+        x = torch.randn(1, k, generator=g).to(dtype).to(DEV)
+        wq, w_scale = quantize_fp8((torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV))
+        residual = torch.randn(1, n, generator=g).to(dtype).to(DEV)
+        expect = fp8_gemm.fp8_gemm_ref(*fp8_gemm.per_token_fp8_ref(x), wq, w_scale, None, residual, dtype)
+        got = linear_module.linear(x, wq, weight_scale=w_scale, residual=residual.clone())
+        torch.testing.assert_close(got.float(), expect.float(), atol=2e-2 * expect.abs().max().item(), rtol=2e-2)
+    assert calls == ["gemv", "gemm"]
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="cuBLAS's FP8 GEMM: the GPU's")
 @pytest.mark.parametrize("rows", [9, 300])
 def test_fp8_linear_on_both_gemms(rows):

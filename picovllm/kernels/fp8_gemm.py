@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from picovllm.kernels.gemm import gemm_triton
+from picovllm.kernels.gemm import deep, gemm_triton
 from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_row
 from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_values
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
@@ -120,18 +120,18 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     32 products, less exactly than fp32 (the error in benchmarks/README.md's FP8 section): below the
     rounding of a bf16 or fp16 output, not of an fp32 one; smaller tiles sum in fp32 (mma)."""
     block_m = max(16, min(32 if exact else 64, next_pow2(m)))
-    deep = k >= 4 * n
-    if block_m == 64 and m > 64 and n > 2048 and not deep:  # (gate_up at 65-256 tokens)
+    split = deep(n, k)
+    if block_m == 64 and m > 64 and n > 2048 and not split:  # (gate_up at 65-256 tokens)
         return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, TMA=True)
     if block_m == 64:
-        if deep:
+        if split:
             few = m <= 128
             return dict(BLOCK_M=64, BLOCK_N=32 if few else 64, BLOCK_K=256 if few else 128, num_warps=4,
                         num_stages=3 if few else 4, SPLIT_K=4)
         if n > 2048 or m > 128:  # (64 rows by 128 deep: gate_up up to 64 tokens; qkv and o at 129-256 in 5 stages)
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3 if n > 2048 else 5)
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3)  # (33-128: 512 deep)
-    if deep:
+    if split:
         return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=8)
     return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
 

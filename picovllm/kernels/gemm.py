@@ -34,6 +34,14 @@ MAX_WEIGHT_ROWS = 32768  # (streams: the LM head's vocabulary stays on cuBLAS)
 MAX_TILES = 8192  # (a split GEMM's tiles: _arrivals)
 
 
+def deep(n: int, k: int) -> bool:
+    """Whether an [n, k] weight is at least four times deeper than it has rows (the down
+    projection: 1,536 rows, 8,960 deep): the tiles split its K over programs (gemm_config,
+    kernels/fp8_gemm.py's fp8_gemm_config), which reads an FP8 one faster than the GEMV at one
+    row too (model/layers/linear.py)."""
+    return k >= 4 * n
+
+
 def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x @ weight.T runs here for a bf16 or fp16 model: 2-64 rows (GEMM_MAX_ROWS; one row is
     the GEMV's, more cuBLAS's) on a Hopper GPU (where the tiles were chosen) or in the CPU's
@@ -133,7 +141,7 @@ def gemm_config(m: int, n: int, k: int) -> dict:
     (gate_up) in 32-64-row tiles; a deep one (down: K at least four times its rows) split 4 ways."""
     block_m = max(16, min(64, next_pow2(m)))
     few = block_m == 16
-    if k >= 4 * n:
+    if deep(n, k):
         return dict(BLOCK_M=block_m, BLOCK_N=32 if few else 64, BLOCK_K=128 if few else 256, num_warps=4,
                     num_stages=5 if few else 3, SPLIT_K=4)
     if n > 2048:

@@ -5,10 +5,11 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
-is one GEMV kernel (kernels/gemv.py); otherwise the ops run one after the other, the GEMM at 2-64
-tokens on Hopper the weight-streaming one of kernels/gemm.py (the bias and residual in its
-epilogue), else cuBLAS's. An FP8 weight (model/layers/fp8.py) at more rows goes through
-kernels/fp8_gemm.py's fp8_linear, the bias and residual in its GEMM's epilogue.
+is one GEMV kernel (kernels/gemv.py), but for a deep FP8 weight (the down projection), which
+the GEMM below reads faster, its K split over programs; otherwise the ops run one after the other,
+the GEMM at 2-64 tokens on Hopper the weight-streaming one of kernels/gemm.py (the bias and
+residual in its epilogue), else cuBLAS's. An FP8 weight (model/layers/fp8.py) at more rows goes
+through kernels/fp8_gemm.py's fp8_linear, the bias and residual in its GEMM's epilogue.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from picovllm.config import check_tp_heads
 from picovllm.distributed.communicator import tp_all_reduce
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from picovllm.kernels.fp8_gemm import fp8_linear
-from picovllm.kernels.gemm import gemm_triton, streams
+from picovllm.kernels.gemm import deep, gemm_triton, streams
 from picovllm.kernels.gemv import gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
@@ -51,9 +52,11 @@ def linear(
     residual may be updated in place and returned (callers pass the residual stream, whose old
     value they do not read again): the GEMM then adds into it, where a new output first took a
     copy of it (a device-to-device copy per call, two per layer)."""
-    if silu_mul_input and (weight_scale is None or one_row_on_gpu(x)):
+    # (one row: the GEMV, but for a deep FP8 weight, whose K the GEMM splits: kernels/gemm.py's deep)
+    gemv = one_row_on_gpu(x) and not (weight_scale is not None and deep(*weight.shape))
+    if silu_mul_input and (weight_scale is None or gemv):
         x, silu_mul_input = silu_mul_op(x), False
-    if one_row_on_gpu(x):
+    if gemv:
         return gemv_triton(
             x,
             weight,
