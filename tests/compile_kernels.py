@@ -75,16 +75,18 @@ def main(dt: str) -> None:
         *[(fp8_gemm._per_token_fp8_kernel, dict(HAS_NORM=norm, SILU_MUL=silu, BLOCK_K=2048),
            {"out": "*fp8e4nv", "scale": "*fp32", "norm_weight": p})
           for norm, silu in ((False, False), (True, False), (False, True))],
-        *[(gemm._gemm_kernel, dict(HAS_SCALE=True, HAS_BIAS=True, HAS_RESIDUAL=True, SPLIT=split, TMA=tma,
-                                   BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128,
+        *[(gemm._gemm_kernel, dict(HAS_SCALE=True, HAS_BIAS=True, HAS_RESIDUAL=True, SILU_MUL=False, SPLIT=split,
+                                   TMA=tma, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128,
                                    **({} if tma else {"a_desc": None, "w_desc": None})),
            {"weight": "*fp8e4nv", "a": "*fp8e4nv", "a_scale": "*fp32", "partial": "*fp32", "arrivals": "*i32",
             "a_desc": f"tensordesc<fp8e4nv[{block_m},128]>", "w_desc": "tensordesc<fp8e4nv[32,128]>"})
           for block_m, tma in ((16, False), (64, False), (128, True)) for split in (False, True)],  # (64: wgmma)
-        *[(gemm._gemm_kernel, dict(HAS_SCALE=False, HAS_BIAS=True, HAS_RESIDUAL=True, SPLIT=split, TMA=False,
-                                   BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, a_desc=None, w_desc=None),
+        *[(gemm._gemm_kernel, dict(HAS_SCALE=False, HAS_BIAS=True, HAS_RESIDUAL=not silu, SILU_MUL=silu,
+                                   SPLIT=split, TMA=False, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, a_desc=None,
+                                   w_desc=None),
            {"a": p, "a_scale": p, "weight_scale": p, "partial": "*fp32", "arrivals": "*i32"})
-          for block_m in (16, 64) for split in (False, True)],  # (a bf16 or fp16 model's: kernels/gemm.py's streams)
+          for block_m in (16, 64) for split, silu in ((False, False), (True, False), (False, True))],
+        # (a bf16 or fp16 model's: kernels/gemm.py's streams, gate_up with SiLU*mul)
         (sampling._count_kernel, dict(CHUNK=2048), sampler),
         (sampling._threshold_kernel, dict(TILE=1024, CHUNKS=128), sampler),
         (sampling._race_kernel, dict(CHUNK=2048), sampler),

@@ -463,6 +463,27 @@ def test_gemm_of_a_bf16_or_fp16_weight(dtype, fusion, m, deep):
         _close(got, expect, dtype)
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [2, 37])
+def test_gemm_with_silu_mul_in_its_epilogue(dtype, m, bias):
+    """A fused gate_up weight's GEMM with SiLU*mul of its two halves in the epilogue (the gate's
+    rows, then the up's; N not a multiple of the tiles, a bias of 2N): the unfused GEMM's output,
+    then silu_mul_ref, as they round."""
+    from picovllm.kernels.gemm import gemm_triton
+    from picovllm.kernels.silu_mul import silu_mul_ref
+
+    g = torch.Generator().manual_seed(13)
+    n, k = 72, 300
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype).to(DEV)
+    b = torch.randn(2 * n, generator=g).to(dtype).to(DEV) if bias else None
+    gate_up = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    got = gemm_triton(x, w, b, None, dtype, silu_mul=True)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _close(got, silu_mul_ref(gate_up), dtype)
+
+
 def test_linear_streams_a_bf16_or_fp16_layer_at_2_to_64_rows(monkeypatch):
     """linear() takes kernels/gemm.py's GEMM for 2-64 rows of a half-precision layer (fp16 in the
     interpreter, bf16 too on Hopper), not for one row (the GEMV's), 65 or more, fp32, or a weight

@@ -2,7 +2,9 @@
 weight.T + bias, of bf16 or fp16 operands, or of FP8 (e4m3) ones with a scale per row of each
 (a_scale per token, weight_scale per weight row: kernels/fp8_gemm.py's W8A8), the sums in fp32,
 the scales, bias and residual in the epilogue (rounded as the unfused ops round: the output to
-the model dtype, then the residual sum).
+the model dtype, then the residual sum). A fused gate_up weight (the gate's rows, then the up's)
+may have SiLU*mul of its two outputs in the epilogue too: each program then streams a tile of
+the gate's rows and the same rows of the up's, in two sums.
 
 Each program streams BLOCK_N weight rows over BLOCK_M tokens, over all of K or, for a deep weight,
 its share of K (SPLIT_K programs a tile; each writes its fp32 sums to a workspace and the last
@@ -20,7 +22,8 @@ import functools
 
 import torch
 
-from picovllm.kernels.triton_utils import hopper_or_later, next_pow2, pdl, pdl_wait, tl, triton, use_triton
+from picovllm.kernels.silu_mul import silu_mul_values
+from picovllm.kernels.triton_utils import hopper_or_later, pdl, pdl_wait, tl, triton, use_triton
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -61,16 +64,24 @@ def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _output(acc, m, n, mmask, nmask, a_scale, w_scale, bias, dt: tl.constexpr, HAS_SCALE: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """The fp32 sums of weight rows n scaled (FP8 operands: w_scale, their scales), the bias added,
+    rounded to dt."""
+    if HAS_SCALE:
+        acc *= tl.load(a_scale + m, mask=mmask, other=0.0)[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    return acc.to(dt)
+
+
+@triton.jit
 def _epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om,
               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """The fp32 sums scaled (FP8 operands), the bias and the residual added, stored in the output's
     dtype."""
     dt = out.dtype.element_ty
-    if HAS_SCALE:
-        acc *= tl.load(a_scale + m, mask=mmask, other=0.0)[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(dt)
+    y = _output(acc, m, n, mmask, nmask, a_scale, w_scale, bias, dt, HAS_SCALE, HAS_BIAS)
     omask = mmask[:, None] & nmask[None, :]
     if HAS_RESIDUAL:
         res = tl.load(residual + m[:, None] * s_rm + n[None, :], mask=omask, other=0.0)
@@ -81,8 +92,11 @@ def _epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_
 @triton.jit
 def _gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial, arrivals, a_desc, w_desc, M, N,
                  K, k_per_split, s_am, s_wn, s_rm, s_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """SILU_MUL: weight is [2N, K], the gate's N rows then the up's, and out [M, N] the SiLU*mul of
+    the two products (rounded as silu_mul_ref rounds the unfused GEMM's output; bf16 or fp16
+    operands, no residual, split or TMA)."""
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
     n = n0 + tl.arange(0, BLOCK_N)
@@ -94,6 +108,7 @@ def _gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial,
     k_end = tl.minimum(K, k_start + k_per_split)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if TMA:  # (the tiles by the copy engine; past M, N and K it reads zeros; a split ends on a tile)
             at = a_desc.load([m0, k0])
@@ -107,7 +122,16 @@ def _gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial,
         # default on sm_90 never promotes them: greedy tokens then drift from the reference. Each
         # instruction's 32 products go to the fp32 sum. (bf16 and fp16 tiles sum in fp32 anyway.)
         acc = tl.dot(at, wt, acc, max_num_imprecise_acc=32)
-    if not SPLIT:
+        if SILU_MUL:  # (the up's rows of the tile: pointer loads, bf16 or fp16)
+            ut = tl.load(weight + (N + n[None, :]) * s_wn + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+            up = tl.dot(at, ut, up)
+    if SILU_MUL:
+        dt = out.dtype.element_ty
+        g = _output(acc, m, n, mmask, nmask, a_scale, w_scale, bias, dt, HAS_SCALE, HAS_BIAS)
+        u = _output(up, m, N + n, mmask, nmask, a_scale, w_scale, bias, dt, HAS_SCALE, HAS_BIAS)
+        y = silu_mul_values(g.to(tl.float32), u.to(tl.float32), dt)
+        tl.store(out + m[:, None] * s_om + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+    elif not SPLIT:
         _epilogue(acc, m, n, mmask, nmask, a_scale, w_scale, bias, residual, out, s_rm, s_om, HAS_SCALE,
                   HAS_BIAS, HAS_RESIDUAL)
     else:
@@ -135,12 +159,18 @@ def _arrivals(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
-def gemm_config(m: int, n: int, k: int) -> dict:
+def gemm_config(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
     """Tiles for m tokens (2-64) of an [n, k] bf16 or fp16 weight, from a sweep at 8 and 64 tokens
     (benchmarks/kernels/gemm.py): 16-row weight tiles 128 deep in 5 stages (qkv, o); a wide weight
-    (gate_up) in 32-64-row tiles; a deep one (down: K at least four times its rows) split 4 ways."""
-    block_m = max(16, min(64, next_pow2(m)))
+    (gate_up) in 32-64-row tiles; a deep one (down: K at least four times its rows) split 4 ways.
+    silu_mul (gate_up with SiLU*mul in the epilogue: 32 rows of the gate's and of the up's a
+    program): 128 deep in 3 stages at up to 16 tokens, 64 deep in 4 beyond (a scratch sweep at 8
+    and 64 tokens). From 17 tokens a tile takes 64 (a step at 24 and 32 tokens 1% faster than in
+    32-token tiles: benchmarks/README.md)."""
+    block_m = 16 if m <= 16 else 64
     few = block_m == 16
+    if silu_mul:
+        return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128 if few else 64, num_warps=4, num_stages=3 if few else 4)
     if deep(n, k):
         return dict(BLOCK_M=block_m, BLOCK_N=32 if few else 64, BLOCK_K=128 if few else 256, num_warps=4,
                     num_stages=5 if few else 3, SPLIT_K=4)
@@ -162,15 +192,21 @@ def _tma_ready(*tensors: torch.Tensor) -> bool:
 
 def gemm_triton(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                 dtype: torch.dtype, a_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
     """residual + a @ weight.T + bias in dtype; a [M, K], weight [N, K], rows contiguous. FP8 operands
-    come with a_scale [M, 1] and weight_scale [N]. config: the tiles (gemm_config's when not
-    given; fp8_gemm_config's for FP8), SPLIT_K, how many programs share each tile's K (1 when not
-    given), and TMA, the tiles read through TMA descriptors (where the matrices allow it)."""
+    come with a_scale [M, 1] and weight_scale [N]. silu_mul: weight is a fused gate_up's [2N, K]
+    (the gate's rows, then the up's; a bias [2N] too), the output SiLU*mul of the two products,
+    [M, N] (bf16 or fp16 operands; no residual). config: the tiles (gemm_config's when not given;
+    fp8_gemm_config's for FP8), SPLIT_K, how many programs share each tile's K (1 when not given;
+    none with silu_mul), and TMA, the tiles read through TMA descriptors (where the matrices
+    allow it)."""
     m, k = a.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((m, n), dtype=dtype, device=a.device)
-    cfg = dict(config or gemm_config(m, n, k))
+    cfg = dict(config or gemm_config(m, n, k, silu_mul))
+    if silu_mul:
+        assert weight_scale is None and residual is None, "SiLU*mul: bf16 or fp16 operands, no residual"
+        assert cfg.get("SPLIT_K", 1) == 1 and not cfg.get("TMA"), "SiLU*mul: no split or TMA"
     block_k = cfg["BLOCK_K"]
     split = min(cfg.pop("SPLIT_K", 1), triton.cdiv(k, block_k))
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
@@ -191,6 +227,6 @@ def gemm_triton(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemm_kernel[grid](a, a_scale if scaled else out, weight, weight_scale if scaled else out,
                        bias if bias is not None else out, res, out, partial, arrivals, a_desc, w_desc, m, n, k,
                        k_per_split, a.stride(0), weight.stride(0), res.stride(0), out.stride(0), HAS_SCALE=scaled,
-                       HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SPLIT=split > 1,
-                       TMA=a_desc is not None, **cfg, **pdl(a))
+                       HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
+                       SPLIT=split > 1, TMA=a_desc is not None, **cfg, **pdl(a))
     return out

@@ -6,10 +6,11 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
 is one GEMV kernel (kernels/gemv.py), but for a deep FP8 weight (the down projection), which
-the GEMM below reads faster, its K split over programs; otherwise the ops run one after the other,
-the GEMM at 2-64 tokens on Hopper the weight-streaming one of kernels/gemm.py (the bias and
-residual in its epilogue), else cuBLAS's. An FP8 weight (model/layers/fp8.py) at more rows goes
-through kernels/fp8_gemm.py's fp8_linear, the bias and residual in its GEMM's epilogue.
+the GEMM below reads faster, its K split over programs; otherwise the ops run one after the
+other, the GEMM at 2-64 tokens on Hopper the weight-streaming one of kernels/gemm.py (the bias
+and the residual or SiLU*mul in its epilogue), else cuBLAS's. An FP8 weight (model/layers/fp8.py)
+at more rows goes through kernels/fp8_gemm.py's fp8_linear, the bias and residual in its GEMM's
+epilogue.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ def linear(
         return y if residual is None else residual.add_(y)
     if norm is not None:
         x = norm(x)
-    if streams(x, weight):  # (2-64 tokens on Hopper: kernels/gemm.py, the bias and residual in its epilogue)
+    if streams(x, weight):  # (2-64 tokens on Hopper: kernels/gemm.py, bias, residual or SiLU*mul in its epilogue)
         if not silu_mul:
             return gemm_triton(x, weight, bias, residual, x.dtype)
-        y = silu_mul_op(gemm_triton(x, weight, bias, None, x.dtype))
+        y = gemm_triton(x, weight, bias, None, x.dtype, silu_mul=True)
         return y if residual is None else residual.add_(y)
     if weight.is_mkldnn:  # (oneDNN's own layout on a CPU: pack_weights)
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
