@@ -16,8 +16,6 @@ import threading
 import time
 from collections import defaultdict
 
-import xgrammar
-
 import picovllm.bench.structured as bench
 import picovllm.engine.core_output_processor as core_output_processor
 import picovllm.engine.llm_engine as llm_engine
@@ -47,7 +45,7 @@ PHASES = [  # (owner, attribute): the attribute is replaced by a timed wrapper
     (cuda_graph._GraphSet, "run"),
     (model_runner.ModelRunner, "_sampling_tensors"),
     (sampler.Sampler, "__call__"),
-    (xgrammar, "apply_token_bitmask_inplace"),
+    (sampler, "masked_fp32"),
     (model_runner, "pinned_to"),
     (messages.ModelRunnerOutput, "wait"),
     (step_launcher.StepLauncher, "take_tokens"),
