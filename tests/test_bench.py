@@ -36,6 +36,28 @@ def test_latency_with_hf_baseline(tiny_qwen, capsys, tmp_path):
     assert json.loads(last)["benchmark"] == "latency" and json.loads(last)["matmul_tflop_s"] > 0
 
 
+def test_latency_decode_step_is_the_full_runs_own(tiny_qwen, monkeypatch):
+    """Our decode step comes from the full run's own timestamps (its last first token to its last
+    finish), not from its time less the prefill-only run's: a prefill-only run slower by 0.5 s
+    (as a prompt's time varies between runs) changes no step figure, where it took the whole
+    decode's time away (on an H100 a batch's two prefill times made two step figures, 12% apart)."""
+    import picovllm.bench.latency as latency
+
+    kwargs = {"model": tiny_qwen[0], "device": "cpu", "dtype": "float32", "kv_cache_memory": 16 << 20}
+    generate = latency.PicoRunner.generate
+
+    def slow_prefill_only(self, prompts, new_tokens):
+        generate(self, prompts, new_tokens)
+        if new_tokens == 1:
+            time.sleep(0.5)
+
+    monkeypatch.setattr(latency.PicoRunner, "generate", slow_prefill_only)
+    (row,) = run_latency(kwargs, [2], input_len=9, output_len=6, hf_modes=[])
+    assert row["ttft_ms"] > 500
+    assert 0.05 < row["ms_per_step"] < 200  # (a tiny model's step on the CPU: milliseconds)
+    assert abs(row["decode_tok_s"] - 2 * 1e3 / row["ms_per_step"]) < 1e-6 * row["decode_tok_s"]
+
+
 def test_latency_samples_as_the_models_generation_config_asks(tiny_qwen_generation_config, capsys):
     """The tiny model's generation config (temperature 0, top_k, top_p, a repetition penalty): the
     rows come, and the run says what it samples with; --hf (greedy) is refused beside it."""

@@ -38,10 +38,19 @@ def _timed(fn, device) -> float:
 
 
 def _row(
-    system: str, batch: int, prefill_s: float, total_s: float, output_len: int, step_bytes: int, bandwidth: float
+    system: str,
+    batch: int,
+    prefill_s: float,
+    total_s: float,
+    output_len: int,
+    step_bytes: int,
+    bandwidth: float,
+    decode_s: float | None = None,
 ) -> dict:
+    """decode_s: the decode's time measured within the full run (ours); else the full run's time
+    less the prefill-only run's."""
     steps = output_len - 1
-    decode_s = max(total_s - prefill_s, 1e-9)
+    decode_s = decode_s if decode_s is not None else max(total_s - prefill_s, 1e-9)
     step_s = decode_s / steps
     return {
         "system": system,
@@ -71,15 +80,22 @@ class PicoRunner:
         self.sampling.pop("max_tokens", None)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        """The prompts, each decoding new_tokens; then decode_s is this run's decode: from the last
+        request's first token to the last one finished, new_tokens - 1 steps (the prompts' time,
+        which varies between runs, left out: measured as the run's time less a prefill-only run's,
+        a slow prefill-only run made the steps look shorter)."""
         engine = self.llm.llm_engine
         host, steps = engine.host_time_s, engine.num_steps
         self.llm.reset_prefix_cache()  # every run prefills its prompts (the warm-up ran the same ones)
-        self.llm.generate(
+        outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(**self.sampling, max_tokens=new_tokens, ignore_eos=True),
             use_tqdm=False,
         )
         self.host_ms_per_step = 1e3 * (engine.host_time_s - host) / max(engine.num_steps - steps, 1)
+        self.decode_s = max(o.metrics["finished_time"] for o in outputs) - max(
+            o.metrics["first_token_time"] for o in outputs
+        )
 
 
 def run_latency(
@@ -94,6 +110,8 @@ def run_latency(
 ) -> list[dict]:
     """Each system's prefill-only and full runs are timed `repeat` times, the systems taking turns
     (so that load from elsewhere on the machine falls on all of them), and the best time is kept.
+    The TTFT is the prefill-only run's; our decode step, the full run's decode (PicoRunner), and
+    HF's, the full run's time less the prefill-only run's.
     CPU ms/step is the host time of our engine's steps outside waiting for the device."""
     ours = PicoRunner(llm_kwargs, max(batch_sizes))
     if ours.sampling != {"temperature": 0}:
@@ -118,7 +136,7 @@ def run_latency(
             # the largest cache size it has seen, so the timed calls do not recompile)
             runner.generate(prompts, output_len if getattr(runner, "mode", None) == "compiled" else 8)
         best = {name: [float("inf"), float("inf")] for name, _ in systems}
-        host_ms = float("inf")
+        host_ms = decode_s = float("inf")
         for _ in range(repeat):
             for name, runner in systems:
                 best[name][0] = min(best[name][0], _timed(functools.partial(runner.generate, prompts, 1), device))
@@ -126,10 +144,12 @@ def run_latency(
                     best[name][1], _timed(functools.partial(runner.generate, prompts, output_len), device)
                 )
                 if runner is ours:
-                    host_ms = min(host_ms, ours.host_ms_per_step)
+                    host_ms, decode_s = min(host_ms, ours.host_ms_per_step), min(decode_s, ours.decode_s)
         for name, runner in systems:
             step_bytes = decode_bytes_per_step(runner.model, batch, input_len + output_len // 2, ours.kv_token_bytes)
-            rows.append(_row(name, batch, *best[name], output_len, step_bytes, bandwidth))
+            rows.append(
+                _row(name, batch, *best[name], output_len, step_bytes, bandwidth, decode_s if runner is ours else None)
+            )
             rows[-1]["host_ms_per_step"] = host_ms if runner is ours else None
             rows[-1]["ttft_floor_ms"] = 1e3 * floors.seconds(input_len, batch=batch)
             rows[-1]["ttft_x_floor"] = rows[-1]["ttft_ms"] / rows[-1]["ttft_floor_ms"]
