@@ -127,8 +127,8 @@ def _gemm_kernel(a, a_scale, weight, weight_scale, bias, residual, out, partial,
             up = tl.dot(at, ut, up)
     if SILU_MUL:
         dt = out.dtype.element_ty
-        g = _output(acc, m, n, mmask, nmask, a_scale, w_scale, bias, dt, HAS_SCALE, HAS_BIAS)
-        u = _output(up, m, N + n, mmask, nmask, a_scale, w_scale, bias, dt, HAS_SCALE, HAS_BIAS)
+        g = _output(acc, m, n, mmask, nmask, a_scale, w_scale, bias, dt, False, HAS_BIAS)  # (no scales: bf16, fp16)
+        u = _output(up, m, N + n, mmask, nmask, a_scale, w_scale, bias, dt, False, HAS_BIAS)
         y = silu_mul_values(g.to(tl.float32), u.to(tl.float32), dt)
         tl.store(out + m[:, None] * s_om + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
     elif not SPLIT:
