@@ -510,10 +510,11 @@ def test_linear_streams_a_bf16_or_fp16_layer_at_2_to_64_rows(monkeypatch):
     assert calls == [1]
 
 
-def test_one_row_of_a_deep_fp8_weight_takes_the_split_gemm(monkeypatch):
+def test_one_row_of_a_deep_or_wide_fp8_weight_takes_the_gemm(monkeypatch):
     """At one row linear() runs the GEMV, but for an FP8 weight at least four times deeper than it
-    has rows (the down projection), whose K the GEMM splits over programs: that one takes
-    fp8_linear (its row quantized, then the split GEMM), the same values."""
+    has rows (the down projection), whose K the GEMM splits over programs, or with at least four
+    times as many rows as it is deep (a fused gate_up): those take fp8_linear (the row quantized,
+    then the GEMM), the same values."""
     from picovllm.kernels import fp8_gemm, gemv, triton_utils
     from picovllm.model.layers import linear as linear_module
     from picovllm.model.layers.fp8 import quantize_fp8
@@ -527,14 +528,14 @@ def test_one_row_of_a_deep_fp8_weight_takes_the_split_gemm(monkeypatch):
         linear_module, "gemv_triton", lambda *a, **kw: calls.append("gemv") or gemv.gemv_triton(*a, **kw)
     )
     monkeypatch.setattr(linear_module, "fp8_linear", lambda *a: calls.append("gemm") or fp8_gemm.fp8_linear(*a))
-    for n, k in ((48, 64), (16, 64)):  # (shallow, deep)
+    for n, k in ((48, 64), (16, 64), (256, 64)):  # (neither, deep, wide)
         x = torch.randn(1, k, generator=g).to(dtype).to(DEV)
         wq, w_scale = quantize_fp8((torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV))
         residual = torch.randn(1, n, generator=g).to(dtype).to(DEV)
         expect = fp8_gemm.fp8_gemm_ref(*fp8_gemm.per_token_fp8_ref(x), wq, w_scale, None, residual, dtype)
         got = linear_module.linear(x, wq, weight_scale=w_scale, residual=residual.clone())
         torch.testing.assert_close(got.float(), expect.float(), atol=2e-2 * expect.abs().max().item(), rtol=2e-2)
-    assert calls == ["gemv", "gemm"]
+    assert calls == ["gemv", "gemm", "gemm"]
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="cuBLAS's FP8 GEMM: the GPU's")
@@ -731,12 +732,15 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     so that the same chunks take the smaller items). Greedy tokens
     equal the PyTorch reference path's (fp32). fp8: FP8 weights, the GEMV on e4m3 at one row and
     the FP8 GEMM past it, its input normed and quantized in one kernel, the down projection's
-    input also SiLU*mul'd there from 17 rows (the engine's threshold lowered). On a GPU,
+    input also SiLU*mul'd there from 17 rows (the engine's threshold lowered) and at one row, where
+    the gate_up weight counts as wide from twice as many rows as it is deep (four times in the
+    engine) and so takes the GEMM. On a GPU,
     tests/test_cuda.py compares the two at Qwen2.5-1.5B's shapes."""
     from conftest import TEST_DEVICE, make_llm
 
     from picovllm import SamplingParams
     from picovllm.kernels import fp8_gemm, prefill_attention, triton_utils
+    from picovllm.model.layers import linear as linear_module
 
     if TEST_DEVICE != "cpu":
         pytest.skip("the interpreter runs on CPU tensors")
@@ -753,6 +757,7 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     assert [len(t) for t in reference] == [3, 4, 2, 8]
     monkeypatch.setattr(triton_utils, "ON_CPU", True)
     monkeypatch.setattr(fp8_gemm, "SILU_MUL_FUSED_MIN_ROWS", 17)
+    monkeypatch.setattr(linear_module, "wide", lambda n, k: n >= 2 * k)  # (tiny_qwen's gate_up: 160 x 64)
     if quantization is None:  # (the fp8 run keeps the default: its chunks of 16-32 queries take small items)
         monkeypatch.setattr(prefill_attention, "LONG_QUERIES", 16)
     assert greedy() == reference

@@ -1,11 +1,12 @@
-"""FP8 linear layers at more than one row (quantization="fp8", model/layers/fp8.py): vLLM's W8A8
+"""FP8 linear layers past one row, and at one for a deep or wide weight (quantization="fp8",
+model/layers/fp8.py; the others' one row is kernels/gemv.py's): vLLM's W8A8
 dynamic scheme, the activations quantized per token, then a GEMM on Hopper's FP8 tensor cores
 with a scale per row of each operand.
 
 - per_token_fp8_triton: vLLM's dynamic per-token scaled_fp8_quant: each row scaled so that its largest
   magnitude is e4m3's largest; one program a row, which norms the row first when the layer takes
   its input's RMSNorm, or takes SiLU*mul of a gate_up row's halves for the down projection from
-  SILU_MUL_FUSED_MIN_ROWS rows (the norm's or the activation's own kernel spared).
+  SILU_MUL_FUSED_MIN_ROWS rows and at one (the norm's or the activation's own kernel spared).
 - fp8_gemm_triton: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias by
   kernels/gemm.py's weight-streaming GEMM (the sums in fp32 on every tile; the scales, bias and
   residual in its epilogue) at fp8_gemm_config's tiles: enough programs in flight at decode's
@@ -26,9 +27,9 @@ from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, 
 from picovllm.model.layers.fp8 import FP8, FP8_MAX
 
 SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
-# From this many rows the MLP's SiLU*mul runs in the kernel quantizing the down projection's input
-# (one program a row, model/qwen2.py); below, its own kernel, whose grid also splits the row, was
-# faster at decode's batches of 8-128 (benchmarks/README.md, the FP8 section).
+# From this many rows (and at one) the MLP's SiLU*mul runs in the kernel quantizing the down
+# projection's input (one program a row, model/qwen2.py); below, its own kernel, whose grid also
+# splits the row, was faster at decode's batches of 8-128 (benchmarks/README.md, the FP8 section).
 SILU_MUL_FUSED_MIN_ROWS = 129
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # (vLLM's floor: an all-zero row gets this scale and zeros)
 
@@ -112,10 +113,10 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     once), and narrow weight tiles, 16 rows for a weight of at most 2,048, 32 beyond; a weight at
     least four times deeper than it has rows (the down projection: 1,536 rows, 8,960 deep) has its
     K split over 8 programs a tile up to 32 tokens, 4 beyond (else its 1,536 rows make 96-192
-    programs). A wide weight (more than 2,048 rows: gate_up) at 65-256 tokens: 128 tokens by 64
-    rows a tile through TMA descriptors; the others (qkv, o) at 129-256 tokens 64 rows by 128 deep
-    in 5 stages. Chosen from sweeps at 8, 64, 128 and 256 rows (benchmarks/kernels/fp8_gemm.py
-    sweep).
+    programs). A wide weight (more than 2,048 rows: gate_up) at 1-16 tokens: 32 rows by 128 deep a
+    tile in 4 stages; at 65-256 tokens: 128 tokens by 64 rows a tile through TMA descriptors. The
+    others (qkv, o) at 129-256 tokens: 64 rows by 128 deep in 5 stages. Chosen from sweeps at 1, 2,
+    8, 16, 64, 128 and 256 rows (benchmarks/kernels/fp8_gemm.py sweep).
     exact: at most 32 tokens a tile. Hopper's 64-token FP8 tiles (wgmma) sum, even promoted every
     32 products, less exactly than fp32 (the error in benchmarks/README.md's FP8 section): below the
     rounding of a bf16 or fp16 output, not of an fp32 one; smaller tiles sum in fp32 (mma)."""
@@ -133,6 +134,8 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3)  # (33-128: 512 deep)
     if split:
         return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=8)
+    if block_m == 16 and n > 2048:  # (gate_up at 1-16 tokens)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 2048 else 32, BLOCK_K=256, num_warps=4, num_stages=5)
 
 

@@ -23,6 +23,7 @@ from picovllm.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    one_row_gemm,
     one_row_on_gpu,
 )
 from picovllm.model.layers.norm import RMSNorm
@@ -66,11 +67,14 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """hidden + down(silu(gate(x)) * up(x)) with x = norm(hidden); FP8 from
-        SILU_MUL_FUSED_MIN_ROWS rows takes SiLU*mul into the kernel that quantizes the down
+        SILU_MUL_FUSED_MIN_ROWS rows, and at one row where gate_up takes the GEMM (a wide weight:
+        model/layers/linear.py's one_row_gemm), takes SiLU*mul into the kernel that quantizes the down
         projection's input."""
-        late = self.down_proj.weight_scale is not None and hidden.shape[0] >= fp8_gemm.SILU_MUL_FUSED_MIN_ROWS
-        gate_up = self.gate_up_proj(hidden, norm, silu_mul=not late)
-        return self.down_proj(gate_up, residual=hidden, silu_mul_input=late)
+        up = self.gate_up_proj
+        late = self.down_proj.weight_scale is not None and (
+            hidden.shape[0] >= fp8_gemm.SILU_MUL_FUSED_MIN_ROWS or one_row_gemm(hidden, up.weight, up.weight_scale)
+        )
+        return self.down_proj(up(hidden, norm, silu_mul=not late), residual=hidden, silu_mul_input=late)
 
 
 class DecoderLayer(nn.Module):

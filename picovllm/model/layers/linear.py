@@ -5,8 +5,8 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
-is one GEMV kernel (kernels/gemv.py), but for a deep FP8 weight (the down projection), which
-the GEMM below reads faster, its K split over programs; otherwise the ops run one after the
+is one GEMV kernel (kernels/gemv.py), but for a deep or wide FP8 weight (the down projection, a
+fused gate_up), which the GEMM below reads faster, its row quantized first; otherwise the ops run one after the
 other, the GEMM at 2-64 tokens on Hopper the weight-streaming one of kernels/gemm.py (the bias
 and the residual or SiLU*mul in its epilogue), else cuBLAS's. An FP8 weight (model/layers/fp8.py)
 at more rows goes through kernels/fp8_gemm.py's fp8_linear, the bias and residual in its GEMM's
@@ -23,7 +23,7 @@ from picovllm.config import check_tp_heads
 from picovllm.distributed.communicator import tp_all_reduce
 from picovllm.distributed.parallel_state import get_tp_rank, get_tp_size
 from picovllm.kernels.fp8_gemm import fp8_linear
-from picovllm.kernels.gemm import deep, gemm_triton, streams
+from picovllm.kernels.gemm import deep, gemm_triton, streams, wide
 from picovllm.kernels.gemv import gemv_triton
 from picovllm.kernels.silu_mul import silu_mul as silu_mul_op
 from picovllm.kernels.triton_utils import use_triton
@@ -33,6 +33,12 @@ def one_row_on_gpu(x: torch.Tensor) -> bool:
     """Whether x is one row on the Triton path: decode at batch 1, where the layers run as GEMVs with
     their neighbours fused in (kernels/gemv.py)."""
     return use_triton(x) and x.dim() == 2 and x.shape[0] == 1
+
+
+def one_row_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """Whether one row on the Triton path takes the GEMM, its row quantized first, not the GEMV: a
+    deep or wide FP8 weight (kernels/gemm.py's deep and wide), which the GEMM reads faster."""
+    return one_row_on_gpu(x) and weight_scale is not None and (deep(*weight.shape) or wide(*weight.shape))
 
 
 def linear(
@@ -53,8 +59,7 @@ def linear(
     residual may be updated in place and returned (callers pass the residual stream, whose old
     value they do not read again): the GEMM then adds into it, where a new output first took a
     copy of it (a device-to-device copy per call, two per layer)."""
-    # (one row: the GEMV, but for a deep FP8 weight, whose K the GEMM splits: kernels/gemm.py's deep)
-    gemv = one_row_on_gpu(x) and not (weight_scale is not None and deep(*weight.shape))
+    gemv = one_row_on_gpu(x) and not one_row_gemm(x, weight, weight_scale)
     if silu_mul_input and (weight_scale is None or gemv):
         x, silu_mul_input = silu_mul_op(x), False
     if gemv:
