@@ -369,11 +369,11 @@ def test_async_scheduling_gives_the_same_tokens():
 
 def test_async_scheduling_with_arrivals_and_a_long_prompt(peaked_1p5b):
     """Requests arriving one per step while others decode (their prompts in steps launched ahead,
-    beside the decodes of tokens still on the device) and a 1,100-token prompt (an eager step of
-    128-query prefill items): the synchronous engine's greedy tokens up to its first near-tie (the
-    two engines batch a step apart, so their GEMM shapes, and roundings, differ). The short prompts
+    beside the decodes of tokens still on the device) and a 1,100-token prompt (an eager step):
+    the synchronous engine's greedy tokens up to its first near-tie (the two engines batch a step
+    apart, so their GEMM shapes, and roundings, differ). The short prompts
     are those whose continuation the model is sure of (see the tests above); the long one, made of
-    pieces, meets a near-tie after its first token (the output of the 128-query prefill)."""
+    pieces, meets a near-tie after its first token (the output of the eager prefill)."""
     path, prompts = peaked_1p5b
     prompts = _short_and_long_prompts(prompts)
     kw = dict(

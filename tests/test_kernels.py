@@ -727,10 +727,8 @@ def test_gemv_reads_every_e4m3_value(dtype):
 def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, monkeypatch, quantization):
     """The whole engine on the Triton path, on CPU tensors in Triton's interpreter: chunked
     prompts mixed with decodes (a 32-token budget), so mixed steps send single-query sequences
-    to the decode kernel and the prefill kernel takes work lists; the fused GEMV at one row;
-    work items of 128 queries (long chunks, here from 16 queries; with FP8 weights the default,
-    so that the same chunks take the smaller items). Greedy tokens
-    equal the PyTorch reference path's (fp32). fp8: FP8 weights, the GEMV on e4m3 at one row and
+    to the decode kernel and the prefill kernel takes work lists; the fused GEMV at one row.
+    Greedy tokens equal the PyTorch reference path's (fp32). fp8: FP8 weights, the GEMV on e4m3 at one row and
     the FP8 GEMM past it, its input normed and quantized in one kernel, the down projection's
     input also SiLU*mul'd there from 17 rows (the engine's threshold lowered) and at one row, where
     the gate_up weight counts as wide from twice as many rows as it is deep (four times in the
@@ -739,7 +737,7 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     from conftest import TEST_DEVICE, make_llm
 
     from picovllm import SamplingParams
-    from picovllm.kernels import fp8_gemm, prefill_attention, triton_utils
+    from picovllm.kernels import fp8_gemm, triton_utils
     from picovllm.model.layers import linear as linear_module
 
     if TEST_DEVICE != "cpu":
@@ -758,8 +756,6 @@ def test_engine_triton_path_equals_reference_path_in_the_interpreter(tiny_qwen, 
     monkeypatch.setattr(triton_utils, "ON_CPU", True)
     monkeypatch.setattr(fp8_gemm, "SILU_MUL_FUSED_MIN_ROWS", 17)
     monkeypatch.setattr(linear_module, "wide", lambda n, k: n >= 2 * k)  # (tiny_qwen's gate_up: 160 x 64)
-    if quantization is None:  # (the fp8 run keeps the default: its chunks of 16-32 queries take small items)
-        monkeypatch.setattr(prefill_attention, "LONG_QUERIES", 16)
     assert greedy() == reference
 
 

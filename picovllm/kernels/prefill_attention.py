@@ -23,8 +23,10 @@ import torch
 from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
-BLOCK_M = 64  # queries per work item (and in CUDA graphs, whose work capacity counts them)
-LONG_BLOCK_M, LONG_QUERIES = 128, 1024  # eager steps with a chunk this long: 128 queries, 8 warps
+# Queries per work item (and in CUDA graphs, whose work capacity counts them), 4 warps: the fastest
+# of 64 and 128 queries (8 warps) for every case swept, long prompts included
+# (benchmarks/kernels/attention_sweep.py).
+BLOCK_M = 64
 TARGET_PROGRAMS = 256  # about two per SM on a Hopper GPU
 MAX_SPLITS = 16
 MERGE_ROWS = 8  # query rows per merge program
@@ -42,13 +44,6 @@ def num_splits(num_heads: int, max_query_len: int, block_m: int, work_items: int
     want = min(MAX_SPLITS, next_pow2(-(-TARGET_PROGRAMS // blocks)))
     room = MAX_PROGRAMS // (num_heads * work_items)
     return max(1, min(want, 1 << max(0, room.bit_length() - 1)))
-
-
-def work_block_m(max_query_len: int) -> int:
-    """Queries per work item of an eager step: LONG_BLOCK_M for long prompt chunks (faster for a
-    2,123-token prefill, benchmarks/kernels/attention_sweep.py), BLOCK_M otherwise (few queries: 64
-    rows and 4 warps measured fastest)."""
-    return LONG_BLOCK_M if max_query_len >= LONG_QUERIES else BLOCK_M
 
 
 def _query_blocks(query_lens, block_m: int, include_single: bool) -> tuple[np.ndarray, np.ndarray]:

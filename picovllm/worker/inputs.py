@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from picovllm.messages import StepInputs
-from picovllm.model.layers.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_work_list
+from picovllm.model.layers.attention import AttentionMetadata, prefill_work_list
 
 PACK_ALIGN = 16  # elements: a step's arrays are packed for upload with each starting 128-byte aligned,
 # so that Triton compiles one variant of each kernel (it specialises on pointer alignment)
@@ -150,10 +150,8 @@ def _tokens(step: StepInputs, block_size: int, rows: int, block_tables: BlockTab
     return _Tokens(input_ids, positions, slots, tables, query_start_loc, logits_indices)
 
 
-def _meta(
-    step: StepInputs, slots, tables, context_lens, query_start_loc, work=None, block_m=PREFILL_BLOCK_M
-) -> AttentionMetadata:
-    """The step's attention metadata; work and block_m: the prefill kernel's (prefill_work_list)."""
+def _meta(step: StepInputs, slots, tables, context_lens, query_start_loc, work=None) -> AttentionMetadata:
+    """The step's attention metadata; work: the prefill kernel's (prefill_work_list)."""
     return AttentionMetadata(
         slot_mapping=slots,
         block_tables=tables,
@@ -163,7 +161,6 @@ def _meta(
         max_context_len=int(step.context_lens.max()),
         any_single_query=bool((step.query_lens == 1).any()),
         prefill_work=work,
-        prefill_block_m=block_m,
     )
 
 
@@ -205,18 +202,18 @@ def build_mixed_graph(
     context_lens[: step.num_seqs] = step.context_lens
     qsl = np.full(pad.seqs + 1, total, dtype=np.int64)
     qsl[: step.num_seqs + 1] = t.query_start_loc
-    work, block_m = prefill_work_list(step.query_lens, capacity=pad.work_items)
+    work = prefill_work_list(step.query_lens, capacity=pad.work_items)
     token_rows, ctx, qsl, work, tables, logits, graph_inputs = upload(
         tokens, context_lens, qsl, work, t.tables, t.logits_indices, packed=True
     )
     input_ids, positions, slots = token_rows
-    return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work, block_m), logits, graph_inputs)
+    return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work), logits, graph_inputs)
 
 
 def build_eager(step: StepInputs, block_size: int, upload: Uploader, tables: BlockTables | None = None) -> ModelInputs:
     """A step with prompt tokens, run eagerly: nothing padded."""
     t = _tokens(step, block_size, step.num_seqs, tables)
-    work, block_m = prefill_work_list(step.query_lens)
+    work = prefill_work_list(step.query_lens)
     input_ids, positions, slots, ctx, tables, qsl, logits, work = upload(
         t.input_ids,
         t.positions,
@@ -227,4 +224,4 @@ def build_eager(step: StepInputs, block_size: int, upload: Uploader, tables: Blo
         t.logits_indices,
         work,
     )
-    return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work, block_m), logits)
+    return ModelInputs(input_ids, positions, _meta(step, slots, tables, ctx, qsl, work), logits)

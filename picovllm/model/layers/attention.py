@@ -13,7 +13,7 @@ from picovllm.kernels.decode_attention import decode_attention_triton
 from picovllm.kernels.kv_store import rope_and_store, rope_and_store_triton
 from picovllm.kernels.paged_attention import AttentionPlan, paged_attention_ref, plan_paged_attention
 from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
-from picovllm.kernels.prefill_attention import num_work_items, prefill_attention_triton, prefill_work, work_block_m
+from picovllm.kernels.prefill_attention import num_work_items, prefill_attention_triton, prefill_work
 from picovllm.kernels.triton_utils import use_triton
 
 
@@ -29,8 +29,7 @@ class AttentionMetadata(NamedTuple):
     any_single_query: whether some sequence computes exactly one token (mixed steps send those
     to the decode kernel).
     prefill_work: the prefill kernel's work list (kernels/prefill_attention.prefill_work: the
-    query blocks of the sequences with several queries, padded with -1 in CUDA graphs), in
-    blocks of prefill_block_m queries.
+    query blocks of the sequences with several queries, padded with -1 in CUDA graphs).
     """
 
     slot_mapping: torch.Tensor
@@ -42,7 +41,6 @@ class AttentionMetadata(NamedTuple):
     plan: AttentionPlan | None = None  # the reference path's, derived once per forward by prepare()
     any_single_query: bool = True  # some sequence has exactly one query (host-side; mixed graphs: per graph)
     prefill_work: torch.Tensor | None = None  # None: the kernel builds it (a device-to-host copy)
-    prefill_block_m: int = PREFILL_BLOCK_M
 
 
 # ---- the metadata's parts that follow the kernels' tiling: a step's input builder
@@ -61,11 +59,9 @@ def prefill_work_capacity(tokens: int, max_prefills: int) -> int:
     return -(-tokens // PREFILL_BLOCK_M) + max_prefills
 
 
-def prefill_work_list(query_lens: np.ndarray, capacity: int | None = None) -> tuple[np.ndarray, int]:
-    """(the prefill kernel's work list, its block of queries): in a CUDA graph (capacity: its
-    work items, padded with -1) the fixed block, eagerly the block the longest query suits."""
-    block_m = PREFILL_BLOCK_M if capacity is not None else work_block_m(int(query_lens.max()))
-    return prefill_work(query_lens, block_m, capacity=capacity), block_m
+def prefill_work_list(query_lens: np.ndarray, capacity: int | None = None) -> np.ndarray:
+    """The prefill kernel's work list; in a CUDA graph (capacity: its work items) padded with -1."""
+    return prefill_work(query_lens, PREFILL_BLOCK_M, capacity=capacity)
 
 
 class PagedAttention(nn.Module):
@@ -160,6 +156,5 @@ class PagedAttention(nn.Module):
             out=out,
             skip_single=meta.any_single_query,
             work=meta.prefill_work,
-            block_m=meta.prefill_block_m,
             new_kv=new_kv,
         )
