@@ -6,11 +6,11 @@ a checkpoint tensor that belongs to this rank (and, for fused layers, to this sh
 A layer may take its neighbours with it: the RMSNorm of its input (``norm``), SiLU*mul of a fused
 gate_up output, and the residual add of its output. At decode batch 1 on the GPU all of it
 is one GEMV kernel (kernels/gemv.py), but for a deep or wide FP8 weight (the down projection, a
-fused gate_up), which the GEMM below reads faster, its row quantized first; otherwise the ops run one after the
-other, the GEMM at 2-64 tokens on Hopper the weight-streaming one of kernels/gemm.py (the bias
-and the residual or SiLU*mul in its epilogue), else cuBLAS's. An FP8 weight (model/layers/fp8.py)
-at more rows goes through kernels/fp8_gemm.py's fp8_linear, the bias and residual in its GEMM's
-epilogue.
+fused gate_up), which the GEMM below reads faster, its row quantized first (one_row_gemm);
+otherwise the ops run one after the other, the GEMM at 2-64 tokens on Hopper the
+weight-streaming one of kernels/gemm.py (the bias and the residual or SiLU*mul in its epilogue),
+else cuBLAS's. An FP8 weight (model/layers/fp8.py) at more rows goes through kernels/fp8_gemm.py's
+fp8_linear, the bias and residual in its GEMM's epilogue.
 """
 
 from __future__ import annotations
