@@ -10,9 +10,9 @@ with a scale per row of each operand.
 - fp8_gemm_triton: out = residual + (a * a_scale) @ (weight * weight_scale).T + bias by
   kernels/gemm.py's weight-streaming GEMM (the sums in fp32 on every tile; the scales, bias and
   residual in its epilogue) at fp8_gemm_config's tiles: enough programs in flight at decode's
-  few tokens, whose weight's bytes set the time; a wide weight (gate_up) at 65-256 tokens takes
-  all of them in one 128-token tile, read through TMA descriptors (Hopper's copy engine), where
-  the same tile loaded by the threads ran slower.
+  few tokens, whose weight's bytes set the time; a weight of more than 2,048 rows (gate_up) at
+  65-256 tokens takes all of them in one 128-token tile, read through TMA descriptors (Hopper's
+  copy engine), where the same tile loaded by the threads ran slower.
 - fp8_linear: the two, or past SCALED_MM_MIN_ROWS tokens in bf16 (prompts) cuBLAS's FP8 GEMM
   (torch._scaled_mm), which measured faster there (benchmarks/kernels/fp8_gemm.py).
 """
@@ -113,7 +113,7 @@ def fp8_gemm_config(m: int, n: int, k: int, exact: bool = False) -> dict:
     once), and narrow weight tiles, 16 rows for a weight of at most 2,048, 32 beyond; a weight at
     least four times deeper than it has rows (the down projection: 1,536 rows, 8,960 deep) has its
     K split over 8 programs a tile up to 32 tokens, 4 beyond (else its 1,536 rows make 96-192
-    programs). A wide weight (more than 2,048 rows: gate_up) at 1-16 tokens: 32 rows by 128 deep a
+    programs). A weight of more than 2,048 rows (gate_up) at 1-16 tokens: 32 rows by 128 deep a
     tile in 4 stages; at 65-256 tokens: 128 tokens by 64 rows a tile through TMA descriptors. The
     others (qkv, o) at 129-256 tokens: 64 rows by 128 deep in 5 stages. Chosen from sweeps at 1, 2,
     8, 16, 64, 128 and 256 rows (benchmarks/kernels/fp8_gemm.py sweep).

@@ -70,11 +70,12 @@ class MLP(nn.Module):
         SILU_MUL_FUSED_MIN_ROWS rows, and at one row where gate_up takes the GEMM (a wide weight:
         model/layers/linear.py's one_row_gemm), takes SiLU*mul into the kernel that quantizes the down
         projection's input."""
-        up = self.gate_up_proj
+        gate_up = self.gate_up_proj
         late = self.down_proj.weight_scale is not None and (
-            hidden.shape[0] >= fp8_gemm.SILU_MUL_FUSED_MIN_ROWS or one_row_gemm(hidden, up.weight, up.weight_scale)
+            hidden.shape[0] >= fp8_gemm.SILU_MUL_FUSED_MIN_ROWS
+            or one_row_gemm(hidden, gate_up.weight, gate_up.weight_scale)
         )
-        return self.down_proj(up(hidden, norm, silu_mul=not late), residual=hidden, silu_mul_input=late)
+        return self.down_proj(gate_up(hidden, norm, silu_mul=not late), residual=hidden, silu_mul_input=late)
 
 
 class DecoderLayer(nn.Module):
