@@ -169,11 +169,11 @@ def _arrivals(device: torch.device) -> torch.Tensor:
 def gemm_config(m: int, n: int, k: int, silu_mul: bool = False) -> dict:
     """Tiles for m tokens (2-64) of an [n, k] bf16 or fp16 weight, from a sweep at 8 and 64 tokens
     (benchmarks/kernels/gemm.py): 16-row weight tiles 128 deep in 5 stages (qkv, o); a weight of
-    more than 2,048 rows (gate_up) in 32-64-row tiles; a deep one (down: K at least four times its rows) split 4 ways.
-    silu_mul (gate_up with SiLU*mul in the epilogue: 32 rows of the gate's and of the up's a
-    program): 128 deep in 3 stages at up to 16 tokens, 64 deep in 4 beyond (a scratch sweep at 8
-    and 64 tokens). From 17 tokens a tile takes 64 (a step at 24 and 32 tokens 1% faster than in
-    32-token tiles: benchmarks/README.md)."""
+    more than 2,048 rows (gate_up) in 32-64-row tiles; a deep one (down: K at least four times its
+    rows) split 4 ways. silu_mul (gate_up with SiLU*mul in the epilogue: 32 rows of the gate's and
+    of the up's a program): 128 deep in 3 stages at up to 16 tokens, 64 deep in 4 beyond (a scratch
+    sweep at 8 and 64 tokens). From 17 tokens a tile takes 64 (a step at 24 and 32 tokens 1% faster
+    than in 32-token tiles: benchmarks/README.md)."""
     block_m = 16 if m <= 16 else 64
     few = block_m == 16
     if silu_mul:
