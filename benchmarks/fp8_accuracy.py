@@ -1,10 +1,10 @@
-"""FP8 weights (quantization="fp8") against the model's dtype on a real model: the perplexity of two
-texts that ship with Python (code: the start of json/decoder.py's source; prose: the Zen of Python,
-`this.s`) from prompt_logprobs, and greedy agreement over 20 fixed prompts (the tokens before the
-first difference, of 32 each).
+"""FP8 weights (quantization="fp8"), or an FP8 KV cache (--kv-cache-dtype fp8), against the model's
+dtype on a real model: the perplexity of two texts that ship with Python (code: the start of
+json/decoder.py's source; prose: the Zen of Python, `this.s`) from prompt_logprobs, and greedy
+agreement over 20 fixed prompts (the tokens before the first difference, of 32 each).
 
-Usage: python benchmarks/fp8_accuracy.py [MODEL] [--device cpu|cuda] [--dtype bfloat16]
-       (MODEL: default the built-in default model)."""
+Usage: python benchmarks/fp8_accuracy.py [MODEL] [--device cpu|cuda] [--dtype bfloat16] [--kv-cache-dtype fp8]
+       (MODEL: default the built-in default model; with --kv-cache-dtype the weights stay in --dtype)."""
 
 import argparse
 import codecs
@@ -49,10 +49,12 @@ def perplexity(llm: LLM, text: str) -> float:
     return math.exp(-sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))) / (len(ids) - 1))
 
 
-def run(args, quantization: str | None) -> tuple[list[list[int]], dict[str, float], float]:
-    """(greedy tokens per prompt, perplexity of each text, seconds)."""
+def run(args, fp8: bool) -> tuple[list[list[int]], dict[str, float], float]:
+    """(greedy tokens per prompt, perplexity of each text, seconds); fp8: the FP8 weights or cache."""
     start = time.perf_counter()
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_model_len=512, quantization=quantization)
+    kv = dict(kv_cache_dtype=args.kv_cache_dtype) if fp8 and args.kv_cache_dtype else {}
+    quantization = "fp8" if fp8 and not kv else None
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=512, quantization=quantization, **kv)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False)
     ppl = {name: perplexity(llm, text) for name, text in TEXTS.items()}
     return [o.outputs[0].token_ids for o in outs], ppl, time.perf_counter() - start
@@ -63,8 +65,9 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default=None)
     args = parser.parse_args()
-    base, fp8 = run(args, None), run(args, "fp8")
+    base, fp8 = run(args, False), run(args, True)
     common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), TOKENS) for a, b in zip(base[0], fp8[0])]
     for name in TEXTS:
         a, b = base[1][name], fp8[1][name]
