@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-dtype", default=None)
+    parser.add_argument("--kv-cache-dtype", choices=("fp8", "fp8_e4m3"), default=None)
     args = parser.parse_args()
     base, fp8 = run(args, False), run(args, True)
     common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), TOKENS) for a, b in zip(base[0], fp8[0])]
