@@ -214,6 +214,33 @@ def test_same_step_requests_share_the_prefix(llms):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
+# With FP8 weights and KV cache a cached and a cache-free engine can differ a little: a value
+# computed in fp32 with a rounding that depends on the step's batch (its chunks, its neighbours)
+# can round to the next e4m3 value. Over the stress's seeds 20-35 (tp = 1), 7 of 16 runs showed
+# such differences: a token's log-probability up to 0.149 from the reference's, and in 4 runs
+# one request of 30 took another token where the top two were within 0.10 of each other. A
+# deliberate error (each sequence's first value vector 5% too large in steps that continue a
+# prompt) failed both FP8 cases.
+FP8_LOGPROB_TOL = 0.3
+
+
+def _agree_up_to_fp8_rounding(got, want) -> bool:
+    """got, want: a request's CompletionOutputs with top-5 log-probabilities, from an engine and
+    its cache-free reference. They agree token for token, each token's log-probability within
+    FP8_LOGPROB_TOL of the reference's, up to where (if anywhere) they first differ; there the
+    two tokens nearly tie in both engines: each within FP8_LOGPROB_TOL of the top. Returns
+    whether they differ."""
+    for i, (mine, theirs) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
+        ours, ref = got.logprobs[i], want.logprobs[i]
+        if mine != theirs:  # each engine's token and the other's
+            for top5, other in ((ours, theirs), (ref, mine)):
+                best = max(v.logprob for v in top5.values())
+                assert other in top5 and best - top5[other].logprob <= FP8_LOGPROB_TOL, (i, top5, other)
+            return True
+        assert abs(ours[mine].logprob - ref[mine].logprob) <= FP8_LOGPROB_TOL, (i, ours, ref)
+    return False
+
+
 @pytest.mark.parametrize(
     "seed,budget,async_scheduling,offload,preemption,kv_cache_dtype,tp",
     [
@@ -227,6 +254,7 @@ def test_same_step_requests_share_the_prefix(llms):
         (8, None, False, 12, "swap", "auto", 1),  # a host tier too small for everything: it evicts in turn
         (9, 7, True, 40, "swap", "fp8", 1),  # FP8 weights, and K and V in e4m3 on both tiers
         (10, 7, True, 40, "swap", "fp8", 2),  # the same over two tensor-parallel ranks
+        (29, 7, True, 40, "swap", "fp8", 1),  # one request takes the other of two nearly tied tokens
     ],
 )
 def test_randomised_stress_with_invariants(
@@ -239,7 +267,8 @@ def test_randomised_stress_with_invariants(
     launched ahead (decodes, prompt chunks and admissions) whenever no preemption is due.
     offload: host blocks under the GPU pool (demotions and promotions, the host copies checked
     against their GPU blocks after every step); swap: preempted requests swap to them.
-    kv_cache_dtype fp8: with FP8 weights too (quantization="fp8"), as the cache-free engine's.
+    kv_cache_dtype fp8: with FP8 weights too (quantization="fp8"), as the cache-free engine's;
+    outputs equal up to FP8's rounding (_agree_up_to_fp8_rounding).
     tp: tensor-parallel ranks (each holds its KV heads' blocks), as the cache-free engine's (FP8's
     row-parallel layers quantize each rank's slice: tp = 2 is not tp = 1's model)."""
     fp8 = {"kv_cache_dtype": "fp8", "quantization": "fp8"} if kv_cache_dtype == "fp8" else {}
@@ -263,7 +292,8 @@ def test_randomised_stress_with_invariants(
     engine = llm.llm_engine
     rng = random.Random(seed)
     prompts = _workload(seed, n=30)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    logprobs = 5 if kv_cache_dtype == "fp8" else None  # (_agree_up_to_fp8_rounding's)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=logprobs)
     outputs, aborted, next_id = {}, set(), 0
     while next_id < len(prompts) or engine.has_unfinished_requests():
         for _ in range(rng.choice([0, 0, 1, 3])):  # bursts: several arrive in the same step
@@ -276,7 +306,7 @@ def test_randomised_stress_with_invariants(
             aborted.add(victim)
         for out in engine.step():
             if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+                outputs[out.request_id] = out.outputs[0]
         engine.check_invariants()
     metrics = engine.get_metrics()
     assert engine.scheduler.num_preemptions > 0 and metrics["prefix_cache_hit_tokens"] > 0
@@ -300,8 +330,12 @@ def test_randomised_stress_with_invariants(
         **fp8,
     )
     expected = ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for rid, tokens in outputs.items():
-        assert tokens == expected[int(rid)].outputs[0].token_ids
+    if kv_cache_dtype == "fp8":
+        diverged = [r for r, out in outputs.items() if _agree_up_to_fp8_rounding(out, expected[int(r)].outputs[0])]
+        assert len(diverged) <= 3, diverged
+    else:
+        for rid, out in outputs.items():
+            assert out.token_ids == expected[int(rid)].outputs[0].token_ids
 
 
 def test_debug_flag_checks_invariants_every_step(tiny_qwen, monkeypatch):
