@@ -58,6 +58,43 @@ def test_latency_decode_step_is_the_full_runs_own(tiny_qwen, monkeypatch):
     assert abs(row["decode_tok_s"] - 2 * 1e3 / row["ms_per_step"]) < 1e-6 * row["decode_tok_s"]
 
 
+def test_latency_decode_step_is_the_full_batchs(tiny_qwen):
+    """A batch whose prompts take several steps to prefill (a small token budget) starts decoding
+    request by request: the step figure counts only the steps where the whole batch decodes, from
+    the step that gave the last prompt its first token to the one that finished the first request.
+    Counted from the last first token to the last finish instead, the batch shrank as the early
+    requests finished (an H100's batch 256 over 1,024-token prompts: 124% of copy bandwidth at
+    64 new tokens)."""
+    import pytest
+
+    from picovllm.bench.latency import full_batch_decode
+
+    # first tokens at steps 1, 1, 2 and 3; the first finish at step 6, the last at step 8
+    stamps = [10.0 * (k + 1) for k in range(9)]  # each step's end
+    firsts = [stamps[1] - 1, stamps[1] - 1, stamps[2] - 1, stamps[3] - 1]
+    finishes = [stamps[6] - 1, stamps[6] - 1, stamps[7] - 1, stamps[8] - 1]
+    assert full_batch_decode(stamps, firsts, finishes) == (30.0, 3)  # steps 4, 5 and 6
+    with pytest.raises(ValueError, match="--output-len"):  # (no step where all of them decode)
+        full_batch_decode(stamps, firsts, [stamps[2] - 1] * 4)
+
+    kwargs = {
+        "model": tiny_qwen[0],
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_memory": 16 << 20,
+        "max_model_len": 20,
+        "max_num_batched_tokens": 20,
+    }
+    # 6 prompts of 9 tokens, 20 tokens a step (the decoding requests' first): first tokens at
+    # steps 0, 0, 1, 1, 2, 2; the first request's 6th token at step 5: steps 3, 4 and 5
+    (row,) = run_latency(kwargs, [6], input_len=9, output_len=6, hf_modes=[])
+    assert row["decode_steps"] == 3
+    (row,) = run_latency({**kwargs, "max_num_batched_tokens": 64}, [6], input_len=9, output_len=6, hf_modes=[])
+    assert row["decode_steps"] == 5  # (one prefill step: every request decodes from the next)
+    with pytest.raises(ValueError, match="--output-len"):
+        run_latency(kwargs, [6], input_len=9, output_len=2, hf_modes=[])
+
+
 def test_latency_samples_as_the_models_generation_config_asks(tiny_qwen_generation_config, capsys):
     """The tiny model's generation config (temperature 0, top_k, top_p, a repetition penalty): the
     rows come, and the run says what it samples with; --hf (greedy) is refused beside it."""
