@@ -52,7 +52,7 @@ def full_batch_decode(stamps: list[float], firsts: list[float], finishes: list[f
     if end <= start:
         raise ValueError(
             f"no step decoded the whole batch of {len(firsts)}: its first request finished before the last one's "
-            "first token (its prompts took that many steps to prefill); raise --output-len"
+            "first token (its prompts took that many steps to prefill); raise --output-len or --max-num-batched-tokens"
         )
     return stamps[end] - stamps[start], end - start
 
