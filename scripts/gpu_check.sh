@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: the CUDA tests, the standard benchmarks, and a short table at the end.
 # Usage, from the repository root on a CUDA machine: bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix offload serve overload pd structured fp8 servers ttft
+#   stages: tests latency throughput prefix offload serve overload pd structured fp8 kv servers ttft
 #   (default: the first seven; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
 #      TOKENIZER (structured: a tokenizer directory, e.g. the default model's, for a dummy model),
@@ -63,6 +63,12 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
                     --batch-size 64 --input-len 128 --output-len 256 --max-num-seqs 64 ;;
     fp8) bench latency_bf16 latency --batch-sizes 1,8,64,128,256 --input-len 128 --output-len 256
          bench latency_fp8 latency --batch-sizes 1,8,64,128,256 --input-len 128 --output-len 256 --quantization fp8 ;;
+    kv) for k in auto fp8; do  # (the KV cache's dtype; a whole batch of 256 1,024-token prompts decodes once they
+          # are all in, after 16 prefill steps at this budget: at the default 2,048, after 128)
+          bench "latency_kv_$k" latency --batch-sizes 128,256 --input-len 1024 --output-len 256 \
+              --max-num-batched-tokens 16384 --kv-cache-dtype $k
+          bench "throughput_kv_$k" throughput --max-model-len 4096 --kv-cache-dtype $k
+        done ;;
     servers) for n in 1 2 4; do  # (serve's HTTP processes: --api-server-count)
                bench "serve_x$n" serve --concurrency 64 --input-len 512 --output-len 128 --max-num-batched-tokens 128 \
                    --max-num-seqs 64 --api-server-count $n
