@@ -93,6 +93,8 @@ def test_latency_decode_step_is_the_full_batchs(tiny_qwen):
     assert row["decode_steps"] == 5  # (one prefill step: every request decodes from the next)
     with pytest.raises(ValueError, match="--output-len"):
         run_latency(kwargs, [6], input_len=9, output_len=2, hf_modes=[])
+    with pytest.raises(ValueError, match="--output-len 1"):  # (no step between two tokens: nothing to time)
+        run_latency({**kwargs, "max_num_batched_tokens": 64}, [6], input_len=9, output_len=1, hf_modes=[])
 
 
 def test_latency_samples_as_the_models_generation_config_asks(tiny_qwen_generation_config, capsys):

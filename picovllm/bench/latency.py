@@ -106,6 +106,7 @@ class PicoRunner:
         the steps look shorter)."""
         engine = self.llm.llm_engine
         host, steps = engine.host_time_s, engine.num_steps
+        self.decode = None  # (a prefill-only run has no step between two tokens)
         self.llm.reset_prefix_cache()  # every run prefills its prompts (the warm-up ran the same ones)
         params = SamplingParams(
             **self.sampling, max_tokens=new_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
@@ -140,6 +141,8 @@ def run_latency(
     The TTFT is the prefill-only run's; our decode step, the full run's decode (PicoRunner), and
     HF's, the full run's time less the prefill-only run's.
     CPU ms/step is the host time of our engine's steps outside waiting for the device."""
+    if output_len < 2:
+        raise ValueError(f"--output-len {output_len}: the decode step is timed between tokens; give at least 2")
     ours = PicoRunner(llm_kwargs, max(batch_sizes))
     if ours.sampling != {"temperature": 0}:
         if hf_modes:
