@@ -46,8 +46,8 @@ def full_batch_decode(stamps: list[float], firsts: list[float], finishes: list[f
 
     A batch whose prompts take several steps to prefill starts decoding request by request, and
     the early requests finish early: counted to the last finish instead, the steps' batch shrank
-    (an H100's batch 256 over 1,024-token prompts read as 124% of copy bandwidth at 64 new
-    tokens)."""
+    and the step looked shorter than the whole batch's (benchmarks/README.md, the latency
+    section)."""
     start, end = bisect.bisect_left(stamps, max(firsts)), bisect.bisect_left(stamps, min(finishes))
     if end <= start:
         raise ValueError(
@@ -103,7 +103,8 @@ class PicoRunner:
         """The prompts, each decoding new_tokens; then `decode` is this run's (seconds, steps) at
         the whole batch (full_batch_decode; the prompts' time, which varies between runs, left
         out: measured as the run's time less a prefill-only run's, a slow prefill-only run made
-        the steps look shorter)."""
+        the steps look shorter). The engine is stepped here, not through LLM.generate, to stamp
+        each step's end."""
         engine = self.llm.llm_engine
         host, steps = engine.host_time_s, engine.num_steps
         self.decode = None  # (a prefill-only run has no step between two tokens)
