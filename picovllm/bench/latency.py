@@ -100,14 +100,13 @@ class PicoRunner:
         self.sampling.pop("max_tokens", None)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
-        """The prompts, each decoding new_tokens; then `decode` is this run's (seconds, steps) at
-        the whole batch (full_batch_decode; the prompts' time, which varies between runs, left
-        out: measured as the run's time less a prefill-only run's, a slow prefill-only run made
-        the steps look shorter). The engine is stepped here, not through LLM.generate, to stamp
-        each step's end."""
+        """The prompts, each decoding new_tokens; then `times` holds this run's steps' ends and
+        the requests' first-token and finish times, for full_batch_decode (the prompts' time, which
+        varies between runs, left out: measured as the run's time less a prefill-only run's, a slow
+        prefill-only run made the steps look shorter). The engine is stepped here, not through
+        LLM.generate, to stamp each step's end."""
         engine = self.llm.llm_engine
         host, steps = engine.host_time_s, engine.num_steps
-        self.decode = None  # (a prefill-only run has no step between two tokens)
         self.llm.reset_prefix_cache()  # every run prefills its prompts (the warm-up ran the same ones)
         params = SamplingParams(
             **self.sampling, max_tokens=new_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
@@ -121,10 +120,8 @@ class PicoRunner:
             if failed := engine.take_failed():
                 raise RuntimeError(f"request {failed[0][0]} failed: {failed[0][1]}")
         self.host_ms_per_step = 1e3 * (engine.host_time_s - host) / max(engine.num_steps - steps, 1)
-        if new_tokens > 1:
-            self.decode = full_batch_decode(
-                stamps, [o.metrics["first_token_time"] for o in outputs], [o.metrics["finished_time"] for o in outputs]
-            )
+        firsts = [o.metrics["first_token_time"] for o in outputs]
+        self.times = (stamps, firsts, [o.metrics["finished_time"] for o in outputs])
 
 
 def run_latency(
@@ -174,10 +171,11 @@ def run_latency(
                 best[name][1] = min(
                     best[name][1], _timed(functools.partial(runner.generate, prompts, output_len), device)
                 )
-                if runner is ours:
+                if runner is ours:  # (the warm-up's few new tokens may not decode the whole batch: not timed)
                     host_ms = min(host_ms, ours.host_ms_per_step)
-                    if decode is None or ours.decode[0] / ours.decode[1] < decode[0] / decode[1]:
-                        decode = ours.decode
+                    run = full_batch_decode(*ours.times)
+                    if decode is None or run[0] / run[1] < decode[0] / decode[1]:
+                        decode = run
         for name, runner in systems:
             step_bytes = decode_bytes_per_step(runner.model, batch, input_len + output_len // 2, ours.kv_token_bytes)
             rows.append(
