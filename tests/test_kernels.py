@@ -258,6 +258,10 @@ def test_decode_attention_split_k(dtype):
     # one split, the default for this batch, and more splits than the short contexts have tiles
     for splits in (1, None, 32):
         _close(decode_attention_triton(query, kc, vc, tables, ctx, scale, splits), ref, dtype)
+    # other key tiles than the engine's (a sweep's): a tile of a block, of four (the splits cut at its size)
+    for block_n, splits in ((16, 1), (64, 4)):
+        out = decode_attention_triton(query, kc, vc, tables, ctx, scale, splits, block_n=block_n, num_stages=2)
+        _close(out, ref, dtype)
 
 
 @MASKED_LANES

@@ -15,7 +15,13 @@ Usage: PYTHONPATH=. python benchmarks/kernels/attention_sweep.py
        PYTHONPATH=. python benchmarks/kernels/attention_sweep.py decode
          the decode kernel (kernels/decode_attention.py) as a mixed-step graph of 128 tokens runs it:
          64 decodes over 560-623 keys beside a 64-token prompt chunk, 128 sequence slots, over the
-         splits and the fewest keys per split; and as a decode step of the same 64 runs it."""
+         splits and the fewest keys per split; and as a decode step of the same 64 runs it.
+       PYTHONPATH=. python benchmarks/kernels/attention_sweep.py decode_kv [BATCH ...]
+         the decode kernel at large batches (default 128 and 256; one split from 256) over 1,024-token
+         contexts, a bf16 and an FP8 (e4m3) cache, each sequence's blocks in order as a batch
+         prefilled together holds them (blocks in random order made other tiles look faster than
+         they are in a step: benchmarks/README.md's rejected table), over key tiles, warps and
+         stages: us a call and the share of copy bandwidth of the cache's bytes read."""
 
 import itertools
 import sys
@@ -23,7 +29,8 @@ import sys
 import torch
 
 from benchmarks.kernels.gemv_sweep import bench
-from picovllm.kernels.decode_attention import decode_attention_triton, num_splits
+from picovllm.bench.common import copy_bandwidth
+from picovllm.kernels.decode_attention import BLOCK_N, decode_attention_triton, num_splits
 from picovllm.kernels.prefill_attention import prefill_attention_triton, prefill_work
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 12, 2, 128, 16
@@ -147,5 +154,49 @@ def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
         )
 
 
+def decode_kv(batches: list[int], context: int = 1024) -> None:
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    width = context // BLOCK_SIZE
+    for batch, dtype in itertools.product(batches, (torch.bfloat16, torch.float8_e4m3fn)):
+        kc = torch.randn(batch * width, BLOCK_SIZE, KV_HEADS, DIM, device="cuda").to(dtype)
+        vc = torch.randn(batch * width, BLOCK_SIZE, KV_HEADS, DIM, device="cuda").to(dtype)
+        tables = torch.arange(batch * width, dtype=torch.int32, device="cuda").view(batch, width)
+        ctx = torch.full((batch,), context, dtype=torch.int64, device="cuda")
+        query = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+        nbytes = 2 * kc.numel() * kc.element_size()
+        expected = decode_attention_triton(query, kc, vc, tables, ctx, DIM**-0.5).float()
+        results = []
+        for bn, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+
+            def call():
+                return decode_attention_triton(
+                    query, kc, vc, tables, ctx, DIM**-0.5, block_n=bn, num_warps=warps, num_stages=stages
+                )
+
+            try:
+                error = ((call().float() - expected).abs().max() / expected.abs().max()).item()
+                t = bench(call, reps=20)
+            except Exception as e:  # out of registers or shared memory
+                print(f"BLOCK_N={bn} warps={warps} stages={stages}: {type(e).__name__}", flush=True)
+                continue
+            if error > 2e-2:  # (past bf16's rounding, against the largest output)
+                print(f"BLOCK_N={bn} warps={warps} stages={stages}: off by {error:.3g} of the largest", flush=True)
+                continue
+            results.append((t, bn, warps, stages))
+        results.sort()
+        default = [r for r in results if r[1:] == (BLOCK_N, 4, 3)]
+        for t, bn, warps, stages in results[:5] + default:
+            engine = " (the engine's)" if (bn, warps, stages) == (BLOCK_N, 4, 3) else ""
+            print(
+                f"decode, batch {batch} over {context} keys, {str(dtype).removeprefix('torch.'):14s} "
+                f"BLOCK_N={bn:3d} warps={warps} stages={stages}{engine}: "
+                f"{t * 1e6:7.2f} us, {nbytes / t / bandwidth:6.1%} of copy bandwidth",
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
-    decode() if sys.argv[1:] == ["decode"] else main(only_splits=sys.argv[1:] == ["splits"])
+    if sys.argv[1:2] == ["decode_kv"]:
+        decode_kv([int(a) for a in sys.argv[2:]] or [128, 256])
+    else:
+        decode() if sys.argv[1:] == ["decode"] else main(only_splits=sys.argv[1:] == ["splits"])

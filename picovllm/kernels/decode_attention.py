@@ -122,11 +122,14 @@ def _decode_merge_kernel(part_acc, part_m, part_l, context_lens, query_start_loc
 def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             splits: int | None = None, query_start_loc: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None, min_keys: int | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, min_keys: int | None = None,
+                            block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
     splits: per (sequence, KV head), a power of two; unless given, num_splits(B, kv_heads), and at
     least MIXED_SPLITS in a mixed batch. min_keys: the fewest keys per split (rounded up to whole
-    key tiles; by default one tile, MIXED_MIN_KEYS in a mixed batch).
+    key tiles; by default one tile, MIXED_MIN_KEYS in a mixed batch). block_n, num_warps,
+    num_stages: the partition kernel's key tile and launch (benchmarks/kernels/attention_sweep.py
+    sweeps them).
 
     Mixed batch (query_start_loc given): query holds the tokens of B sequences end to end; only
     the sequences with exactly one query are attended, into their rows of `out` (the prefill
@@ -150,19 +153,19 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         part_strides = (0,) * 5
     qsl = query_start_loc if mixed else context_lens  # (unread when not mixed)
     block_d = next_pow2(head_dim)
-    min_part = -(-(min_keys or (MIXED_MIN_KEYS if mixed else BLOCK_N)) // BLOCK_N) * BLOCK_N
+    min_part = -(-(min_keys or (MIXED_MIN_KEYS if mixed else block_n)) // block_n) * block_n
     _decode_partition_kernel[(batch, num_kv_heads, max_splits)](
         query, k_cache, v_cache, block_tables, context_lens, qsl, part_acc, part_m, part_l, out,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, out.stride(0), out.stride(1),
         scale, group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, MIN_PART=min_part,
-        PRECISION=dot_precision(query.dtype), MIXED=mixed, **pdl(query),
+        SPLITS=max_splits, BLOCK_N=block_n, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, MIN_PART=min_part,
+        PRECISION=dot_precision(query.dtype), MIXED=mixed, num_warps=num_warps, num_stages=num_stages, **pdl(query),
     )
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, context_lens, qsl, out, *part_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS=max_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, MIN_PART=min_part, MIXED=mixed,
+            HEAD_DIM=head_dim, SPLITS=max_splits, BLOCK_N=block_n, BLOCK_D=block_d, MIN_PART=min_part, MIXED=mixed,
             **pdl(query),
         )
     return out
