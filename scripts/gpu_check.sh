@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: the CUDA tests, the standard benchmarks, and a short table at the end.
 # Usage, from the repository root on a CUDA machine: bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix offload serve overload pd structured fp8 kv servers ttft
+#   stages: tests latency throughput prefix offload serve overload pd structured fp8 kv servers ttft attention ncu
 #   (default: the first seven; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
 #      TOKENIZER (structured: a tokenizer directory, e.g. the default model's, for a dummy model),
@@ -76,6 +76,22 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
     ttft) for n in 128 2083; do  # (a prompt's time to first token against its floor, at the default budget)
             bench "ttft_$n" latency --batch-sizes 1 --input-len $n --output-len 4 --repeat 3
           done ;;
+    attention) for tree in ${TREES:-.}; do  # (the decode kernel's tiles over bf16 and FP8 caches, batch 128 and 256)
+                 tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
+                 (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/kernels/attention_sweep.py \
+                     decode_kv) 2>&1 | tee "$OUT/attention$tag.log" | grep -v "off by\|Error"
+               done ;;
+    ncu) NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
+         for tree in ${TREES:-.}; do  # (Nsight Compute on the decode kernel at batch 256: bf16's warm call, FP8's two)
+           tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
+           (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$NCU" --clock-control none \
+               -k regex:_decode_partition_kernel --launch-skip 1 --launch-count 3 --section SpeedOfLight \
+               --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section Occupancy \
+               --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,smsp__inst_executed.sum \
+               python3 benchmarks/kernels/attention_sweep.py decode_kv_once 256) > "$OUT/ncu$tag.txt" 2>&1
+           grep -E "Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Bank Conflicts|inst_executed|Achieved Occupancy|Registers Per" \
+               "$OUT/ncu$tag.txt"
+         done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -18,10 +18,13 @@ Usage: PYTHONPATH=. python benchmarks/kernels/attention_sweep.py
          splits and the fewest keys per split; and as a decode step of the same 64 runs it.
        PYTHONPATH=. python benchmarks/kernels/attention_sweep.py decode_kv [BATCH ...]
          the decode kernel at large batches (default 128 and 256; one split from 256) over 1,024-token
-         contexts, a bf16 and an FP8 (e4m3) cache, each sequence's blocks in order as a batch
-         prefilled together holds them (blocks in random order made other tiles look faster than
-         they are in a step: benchmarks/README.md's rejected table), over key tiles, warps and
-         stages: us a call and the share of copy bandwidth of the cache's bytes read."""
+         contexts, a bf16 and an FP8 (e4m3) cache laid as the engine's pool, each sequence's blocks
+         in order as a batch prefilled together holds them (blocks in random order made other tiles
+         look faster than they are in a step: benchmarks/README.md's rejected table), over key
+         tiles, warps and stages: us a call and the share of copy bandwidth of the cache's bytes.
+       PYTHONPATH=. python benchmarks/kernels/attention_sweep.py decode_kv_once BATCH
+         the same inputs, the engine's tiles, each cache's kernel twice: for a profiler
+         (`gpu_check.sh ncu`)."""
 
 import itertools
 import sys
@@ -32,6 +35,8 @@ from benchmarks.kernels.gemv_sweep import bench
 from picovllm.bench.common import copy_bandwidth
 from picovllm.kernels.decode_attention import BLOCK_N, decode_attention_triton, num_splits
 from picovllm.kernels.prefill_attention import prefill_attention_triton, prefill_work
+from picovllm.model.layers.fp8 import FP8
+from picovllm.worker.model_runner import allocate_kv_pool
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 12, 2, 128, 16
 CASES = {"cold 2123": (2123, 0), "warm 40/2083": (40, 2083), "chunk 448/64": (448, 64), "chunk 103/409": (103, 409)}
@@ -154,15 +159,32 @@ def decode(decodes: int = 64, chunk: int = 64, slots: int = 128) -> None:
         )
 
 
+def decode_kv_inputs(batch: int, dtype: torch.dtype, context: int):
+    """A decode step's attention inputs over a KV pool laid as the engine lays it
+    (allocate_kv_pool), each sequence's blocks in order: query, k_cache, v_cache, tables, contexts."""
+    width = context // BLOCK_SIZE
+    _, ((kc, vc),) = allocate_kv_pool(1, batch * width, BLOCK_SIZE, KV_HEADS, DIM, dtype, torch.device("cuda"))
+    for cache in (kc, vc):
+        cache.copy_(torch.randn(cache.shape, device="cuda").to(dtype))
+    tables = torch.arange(batch * width, dtype=torch.int32, device="cuda").view(batch, width)
+    ctx = torch.full((batch,), context, dtype=torch.int64, device="cuda")
+    return torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda"), kc, vc, tables, ctx
+
+
+def decode_kv_once(batch: int, context: int = 1024) -> None:
+    """The engine's decode kernel twice over a bf16 cache, then twice over an FP8 one (for a
+    profiler: the second of each is warm)."""
+    for dtype in (torch.bfloat16, FP8):
+        inputs = decode_kv_inputs(batch, dtype, context)
+        for _ in range(2):
+            decode_attention_triton(*inputs, DIM**-0.5)
+    torch.cuda.synchronize()
+
+
 def decode_kv(batches: list[int], context: int = 1024) -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    width = context // BLOCK_SIZE
-    for batch, dtype in itertools.product(batches, (torch.bfloat16, torch.float8_e4m3fn)):
-        kc = torch.randn(batch * width, BLOCK_SIZE, KV_HEADS, DIM, device="cuda").to(dtype)
-        vc = torch.randn(batch * width, BLOCK_SIZE, KV_HEADS, DIM, device="cuda").to(dtype)
-        tables = torch.arange(batch * width, dtype=torch.int32, device="cuda").view(batch, width)
-        ctx = torch.full((batch,), context, dtype=torch.int64, device="cuda")
-        query = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    for batch, dtype in itertools.product(batches, (torch.bfloat16, FP8)):
+        query, kc, vc, tables, ctx = decode_kv_inputs(batch, dtype, context)
         nbytes = 2 * kc.numel() * kc.element_size()
         expected = decode_attention_triton(query, kc, vc, tables, ctx, DIM**-0.5).float()
         results = []
@@ -188,7 +210,7 @@ def decode_kv(batches: list[int], context: int = 1024) -> None:
         for t, bn, warps, stages in results[:5] + default:
             engine = " (the engine's)" if (bn, warps, stages) == (BLOCK_N, 4, 3) else ""
             print(
-                f"decode, batch {batch} over {context} keys, {str(dtype).removeprefix('torch.'):14s} "
+                f"decode, batch {batch} over {context} keys, {'fp8' if dtype == FP8 else 'bf16':4s} "
                 f"BLOCK_N={bn:3d} warps={warps} stages={stages}{engine}: "
                 f"{t * 1e6:7.2f} us, {nbytes / t / bandwidth:6.1%} of copy bandwidth",
                 flush=True,
@@ -198,5 +220,7 @@ def decode_kv(batches: list[int], context: int = 1024) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["decode_kv"]:
         decode_kv([int(a) for a in sys.argv[2:]] or [128, 256])
+    elif sys.argv[1:2] == ["decode_kv_once"]:
+        decode_kv_once(int(sys.argv[2]))
     else:
         decode() if sys.argv[1:] == ["decode"] else main(only_splits=sys.argv[1:] == ["splits"])
