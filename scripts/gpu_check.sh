@@ -89,7 +89,7 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
                --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section Occupancy \
                --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,smsp__inst_executed.sum \
                python3 benchmarks/kernels/attention_sweep.py decode_kv_once 256) > "$OUT/ncu$tag.txt" 2>&1
-           grep -E "Duration|DRAM Throughput|Memory Throughput|Issue Slots Busy|Bank Conflicts|inst_executed|Achieved Occupancy|Registers Per" \
+           grep -E "_decode_partition|Duration|DRAM Throughput|Issued Warp|Eligible Warps|Warp Cycles Per Issued|bank_conflicts|inst_executed|Achieved Occupancy|Registers Per" \
                "$OUT/ncu$tag.txt"
          done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
