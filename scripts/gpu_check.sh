@@ -22,10 +22,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 MODEL=${MODEL:-dummy:qwen2.5-1.5b}
+tag() { [ "$1" = . ] || echo "_$(basename "$1")"; }  # a tree's suffix for its logs ("" for the checkout)
 bench() {  # bench NAME BENCHMARK [ARGS ...]: once per tree; the log of each in $OUT/NAME[_TREE].log
   local name=$1 tree tag; shift
   for tree in ${TREES:-.}; do
-    tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
+    tag=$(tag "$tree")
     echo "-- $name$tag"
     PYTHONPATH=$(cd "$tree" && pwd)${PYTHONPATH:+:$PYTHONPATH} python3 -P -m picovllm.entrypoints.cli bench "$@" \
         --model "$MODEL" ${ENGINE_ARGS:-} 2>&1 | grep -v "it/s\]" | tee "$OUT/$name$tag.log" | grep -v "^{"
@@ -77,13 +78,13 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
             bench "ttft_$n" latency --batch-sizes 1 --input-len $n --output-len 4 --repeat 3
           done ;;
     attention) for tree in ${TREES:-.}; do  # (the decode kernel's tiles over bf16 and FP8 caches, batch 128 and 256)
-                 tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
                  (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/kernels/attention_sweep.py \
-                     decode_kv) 2>&1 | tee "$OUT/attention$tag.log" | grep -v "off by\|Error"
+                     decode_kv) 2>&1 | tee "$OUT/attention$(tag "$tree").log" | grep -v "off by\|Error"
                done ;;
     ncu) NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
+         [ -n "$NCU" ] || { echo "ncu: Nsight Compute not found (set NCU=PATH)"; exit 2; }
          for tree in ${TREES:-.}; do  # (Nsight Compute on the decode kernel at batch 256: bf16's warm call, FP8's two)
-           tag=$([ "$tree" = . ] || echo "_$(basename "$tree")")
+           tag=$(tag "$tree")
            (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$NCU" --clock-control none \
                -k regex:_decode_partition_kernel --launch-skip 1 --launch-count 3 --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section Occupancy \

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.kernels.gemv_sweep import bench
 from picovllm.bench.common import copy_bandwidth
-from picovllm.kernels.decode_attention import BLOCK_N, decode_attention_triton, num_splits
+from picovllm.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, decode_attention_triton, num_splits
 from picovllm.kernels.prefill_attention import prefill_attention_triton, prefill_work
 from picovllm.model.layers.fp8 import FP8
 from picovllm.worker.model_runner import allocate_kv_pool
@@ -206,9 +206,9 @@ def decode_kv(batches: list[int], context: int = 1024) -> None:
                 continue
             results.append((t, bn, warps, stages))
         results.sort()
-        default = [r for r in results if r[1:] == (BLOCK_N, 4, 3)]
-        for t, bn, warps, stages in results[:5] + default:
-            engine = " (the engine's)" if (bn, warps, stages) == (BLOCK_N, 4, 3) else ""
+        engines = (BLOCK_N, NUM_WARPS, NUM_STAGES)
+        for t, bn, warps, stages in results[:5] + [r for r in results if r[1:] == engines]:
+            engine = " (the engine's)" if (bn, warps, stages) == engines else ""
             print(
                 f"decode, batch {batch} over {context} keys, {'fp8' if dtype == FP8 else 'bf16':4s} "
                 f"BLOCK_N={bn:3d} warps={warps} stages={stages}{engine}: "

@@ -120,8 +120,8 @@ class PicoRunner:
             if failed := engine.take_failed():
                 raise RuntimeError(f"request {failed[0][0]} failed: {failed[0][1]}")
         self.host_ms_per_step = 1e3 * (engine.host_time_s - host) / max(engine.num_steps - steps, 1)
-        firsts = [o.metrics["first_token_time"] for o in outputs]
-        self.times = (stamps, firsts, [o.metrics["finished_time"] for o in outputs])
+        metrics = [o.metrics for o in outputs]
+        self.times = (stamps, [m["first_token_time"] for m in metrics], [m["finished_time"] for m in metrics])
 
 
 def run_latency(

@@ -14,6 +14,7 @@ from picovllm.kernels.paged_attention import attend_paged_keys
 from picovllm.kernels.triton_utils import dot_precision, next_pow2, pdl, pdl_wait, tl, triton
 
 BLOCK_N = 32  # keys per inner-loop tile
+NUM_WARPS, NUM_STAGES = 4, 3  # the partition kernel's launch
 # about four programs per SM on a Hopper GPU (at batch 128: 2 splits, not 1)
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
@@ -123,7 +124,8 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                             splits: int | None = None, query_start_loc: torch.Tensor | None = None,
                             out: torch.Tensor | None = None, min_keys: int | None = None,
-                            block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                            block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                            num_stages: int = NUM_STAGES) -> torch.Tensor:
     """query: [B, num_heads, head_dim] (one token per sequence) -> [B, num_heads, head_dim].
     splits: per (sequence, KV head), a power of two; unless given, num_splits(B, kv_heads), and at
     least MIXED_SPLITS in a mixed batch. min_keys: the fewest keys per split (rounded up to whole
