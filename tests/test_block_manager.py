@@ -81,3 +81,27 @@ def test_blocks_freed_under_a_step_in_flight_are_known_until_its_work_has_ended(
     bm.step_launched()
     bm.free(bm.allocate(1))
     assert bm.written_in_flight(list(range(8))) and not bm.written_in_flight(late)
+
+
+def test_a_cpu_kv_pool_is_zeros_committed_only_as_it_is_written():
+    """allocate_kv_pool on the CPU: zeros of the pool's dtype and shape (FP8's as bytes), views
+    that write into it, and memory that grows with what is written (calloc's zero pages), not by
+    the whole pool at once as torch.zeros's would."""
+    import psutil
+    import torch
+
+    from picovllm.model.layers.fp8 import FP8
+    from picovllm.worker.model_runner import allocate_kv_pool
+
+    process = psutil.Process()
+    for dtype, storage in ((torch.bfloat16, torch.bfloat16), (FP8, torch.uint8)):
+        before = process.memory_info().rss
+        pool, views = allocate_kv_pool(2, 1 << 14, 16, 4, 128, dtype, "cpu")  # (1 GiB in bf16, 0.5 in FP8)
+        assert pool.shape == (2, 2, 1 << 14, 4, 16, 128) and pool.dtype == storage
+        assert process.memory_info().rss - before < 64 << 20
+        k, v = views[1]
+        assert k.shape == (1 << 14, 16, 4, 128) and k.dtype == dtype
+        v[7, 3, 2] = 1.0
+        assert (pool.view(dtype)[1, 1, 7, 2, 3].float() == 1).all() and pool.count_nonzero() == 128
+        assert process.memory_info().rss - before < 64 << 20
+        del pool, views, k, v

@@ -48,8 +48,18 @@ def allocate_kv_pool(
     An FP8 pool is held as bytes and viewed as e4m3 by the layers (the pool's copies between
     tiers, index_copy_ and equal among them, have no e4m3 kernels on the CPU)."""
     storage = torch.uint8 if dtype == FP8 else dtype
-    pool = torch.zeros(num_layers, 2, num_blocks, num_heads, block_size, head_dim, dtype=storage, device=device)
+    pool = zeros((num_layers, 2, num_blocks, num_heads, block_size, head_dim), storage, device)
     return pool, [(layer[0].transpose(1, 2).view(dtype), layer[1].transpose(1, 2).view(dtype)) for layer in pool]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
+    """torch.zeros; in host memory that is not pinned, calloc's (numpy's zeros): the system's zero
+    pages, each committed when it is first written, so a CPU engine's 2 GiB pool takes no time to
+    make or free and its memory grows with the blocks it uses (torch.zeros writes every byte)."""
+    if torch.device(device).type != "cpu" or pin_memory:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -142,7 +152,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = k, v
         if num_host_blocks:
             shape = (num_host_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-            self.host_kv = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
+            self.host_kv = zeros(shape, self.kv_cache.dtype, "cpu", pin_memory=self.device.type == "cuda")
             if self.device.type == "cuda":
                 self.copy_stream = torch.cuda.Stream(self.device)
         if self.kv_role != "both":
