@@ -15,6 +15,12 @@ from picovllm.sampling_params import SamplingParams
 PromptType = str | dict | list[int]
 
 
+def import_tokenizer_library() -> None:
+    """transformers' AutoTokenizer imported, which takes a few seconds of a small CPU: a server's
+    process does it while its engine process starts, not once the engine is ready."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from picovllm.engine.input_processor import PromptType, load_tokenizer, process_prompt
+from picovllm.engine.input_processor import PromptType, import_tokenizer_library, load_tokenizer, process_prompt
 from picovllm.engine.llm_engine import LLMEngine
 from picovllm.engine.output_processor import OutputProcessor
 from picovllm.kv_transfer_params import KVTransferParams
@@ -482,6 +482,7 @@ class EngineClient(_Background):
     def __init__(self, commands, outputs, on_step=None):
         super().__init__(on_step)
         self._commands, self._outputs = commands, outputs
+        import_tokenizer_library()  # (while the engine process starts)
         try:
             ready = self._outputs.recv()
         except EOFError:  # it died before it could say why (its traceback, if any, is on stderr)
