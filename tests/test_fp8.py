@@ -267,3 +267,18 @@ def test_fp8_kv_cache(model, scales, request, monkeypatch, tmp_path):
         layer.self_attn.v_proj.register_forward_hook(lambda module, args, out: _e4m3(out / v_scale) * v_scale)
     prompts = [list(range(3 + i, 3 + i + 5 + 3 * i)) for i in range(8)]
     assert_like_reference(llm, prompts + prompts[:2], ref)
+
+
+def test_fp8_to_float_is_torchs_cast_of_every_byte():
+    """model/layers/fp8.py's fp8_to_float (the CPU's table of e4m3 values): every byte's value as
+    torch's cast gives it (NaN for NaN's two, zero's sign kept), in the tensor's shape, also for a
+    view whose rows are not contiguous."""
+    from picovllm.model.layers.fp8 import FP8, fp8_to_float
+
+    x = torch.arange(256, dtype=torch.uint8).view(FP8).view(16, 16)
+    got, expect = fp8_to_float(x), x.float()
+    assert got.shape == (16, 16) and got.dtype == torch.float32
+    assert torch.equal(got.isnan(), expect.isnan()) and int(expect.isnan().sum()) == 2
+    assert torch.equal(got.nan_to_num(), expect.nan_to_num()) and torch.equal(got.signbit(), expect.signbit())
+    view = x.t()[:, 3:]
+    assert torch.equal(fp8_to_float(view).nan_to_num(), view.float().nan_to_num())

@@ -24,7 +24,7 @@ from picovllm.kernels.gemm import deep, gemm_triton
 from picovllm.kernels.rms_norm import rms_norm_ref, rms_norm_row
 from picovllm.kernels.silu_mul import silu_mul_ref, silu_mul_values
 from picovllm.kernels.triton_utils import next_pow2, pdl, pdl_wait, tl, triton, use_triton
-from picovllm.model.layers.fp8 import FP8, FP8_MAX
+from picovllm.model.layers.fp8 import FP8, FP8_MAX, fp8_to_float
 
 SCALED_MM_MIN_ROWS = 257  # (fp8_linear)
 # From this many rows (and at one) the MLP's SiLU*mul runs in the kernel quantizing the down
@@ -101,7 +101,7 @@ def fp8_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, w
                  bias: torch.Tensor | None, residual: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """What fp8_gemm_triton computes: a [M, K] in e4m3 with a_scale [M, 1], weight [N, K] in e4m3 with
     weight_scale [N]; the output in dtype."""
-    y = (a.float() @ weight.float().t()) * a_scale * weight_scale[None, :]
+    y = (fp8_to_float(a) @ fp8_to_float(weight).t()) * a_scale * weight_scale[None, :]
     if bias is not None:
         y = y + bias.float()
     y = y.to(dtype)

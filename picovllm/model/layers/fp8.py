@@ -19,6 +19,16 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()  # each byte's value in e4m3
+
+
+def fp8_to_float(x: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor in fp32. On the CPU its bytes looked up in E4M3_VALUES: torch's cast there
+    takes about 4 ns an element, twice the lookup's (the reference GEMM casts every FP8 weight at
+    every step)."""
+    if x.device.type != "cpu":
+        return x.float()
+    return E4M3_VALUES.index_select(0, x.reshape(-1).view(torch.uint8).int()).view(x.shape)
 
 
 def quantize_fp8(weight: torch.Tensor, row_max=None) -> tuple[torch.Tensor, torch.Tensor]:
