@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import signal
 import sys
@@ -30,8 +31,58 @@ def _round_fp8_as_the_gpu_does() -> None:
     interpreter._convert_float = fixed
 
 
+def _patch_the_language_once_a_launch() -> None:
+    """Triton's interpreter (3.9) patches triton.language for a launch, and again at every call of a
+    @triton.jit helper inside it (each time through every member of the language: ~2 ms, a quarter
+    of an attention test's time). Within a launch, a helper's call patches only the language
+    modules (tl, tl.core) the launch has not, into the launch's scope, which undoes them all."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch, launch = interpreter._patch_lang, []  # launch: [its scope, the modules patched] while one runs
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def once(fn):
+        if launch:
+            scope, patched = launch
+            if langs(fn) - patched:
+                scope._changes += patch(fn)._changes
+                patched |= langs(fn)
+            return interpreter._LangPatchScope()
+        scope = patch(fn)
+        launch[:] = [scope, langs(fn)]
+        restore = scope.restore
+
+        def undo():
+            launch.clear()
+            restore()
+
+        scope.restore = undo
+        return scope
+
+    interpreter._patch_lang = once
+
+
+def _check_no_overflow_as_the_gpu_does() -> None:
+    """The interpreter checks every int32 add, sub and mul of a kernel for overflow (a sixth of an
+    attention test's time), as a GPU kernel does only in Triton's debug mode; the GPU runs the
+    kernels without, and the tests' indices are far from 2**31."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _round_fp8_as_the_gpu_does()
+    _patch_the_language_once_a_launch()
+    _check_no_overflow_as_the_gpu_does()
 
 # A shell without job control starts a background command with SIGINT ignored, and an ignored
 # signal stays ignored across exec: the Ctrl-C tests' processes would never see it. With a handler
