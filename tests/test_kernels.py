@@ -407,11 +407,11 @@ def test_fp8_gemm(dtype, fusion, m, loads):
     """An FP8 weight at more rows (kernels/fp8_gemm.py): e4m3 activations with a scale per token,
     tokens of a tile's awkward share (M = 37 in 16-row tiles, and 265 on the GPU, where an engine
     step of 265 tokens once went wrong; N and K not multiples of the tiles), against the reference;
-    tokens and rows of very different magnitudes, so that a scale applied to the wrong one shows. split: K shared by three programs a tile (the last with less
-    than the others), the last to arrive adding them up; run twice, so that the tiles' counters
-    are shown back at zero for the next call. tma: the tiles read through TMA descriptors, which
-    read zeros past the matrices' ends; tma-unaligned: rows TMA cannot read (300 bytes, not a
-    multiple of 16), read by the threads instead."""
+    tokens and rows of very different magnitudes, so that a scale applied to the wrong one shows.
+    split: K shared by three programs a tile (the last with less than the others), the last to arrive
+    adding them up; run twice, so that the tiles' counters are shown back at zero for the next call.
+    tma: the tiles read through TMA descriptors, which read zeros past the matrices' ends;
+    tma-unaligned: rows TMA cannot read (300 bytes, not a multiple of 16), read by the threads instead."""
     from picovllm.kernels.fp8_gemm import fp8_gemm_ref, fp8_gemm_triton, per_token_fp8_ref
     from picovllm.model.layers.fp8 import quantize_fp8
 
