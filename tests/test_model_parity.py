@@ -145,8 +145,9 @@ def test_packed_cpu_weights_are_as_close_to_fp32_as_the_plain_path(tiny_qwen, mo
 
 
 def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch):
-    """Where torch reports no bf16 GEMM in oneDNN, nothing is packed: the layers run F.linear on
-    the weights as loaded, in the model's dtype (the op transformers runs), and fp32 is never packed."""
+    """Where torch reports no bf16 GEMM in oneDNN, nothing is packed: the layers run on the weights
+    as loaded (F.linear in the model's dtype, the op transformers runs, below 16 rows; upcast_linear
+    from 16), and fp32 is never packed."""
     from picovllm.model.layers.linear import LinearBase, pack_weights
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
@@ -157,3 +158,53 @@ def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch
     assert all(m.weight.dtype == torch.bfloat16 for m in linears) and pack_weights(model) == 0
     fp32 = make_llm(tiny_qwen[0], dtype="float32", device="cpu").llm_engine.executor.driver.model_runner.model
     assert pack_weights(fp32) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_upcast_linear_is_the_fp32_product_rounded(dtype, bias):
+    """upcast_linear (a CPU without a GEMM for the weight's dtype): x @ w.T + b summed in fp32 and
+    rounded once to the dtype, the weight taken 128 rows at a time (300 rows: the last slice of 44),
+    a 3-D x as F.linear takes it. Rows of different magnitudes, so that a slice written to the wrong
+    columns shows."""
+    from picovllm.model.layers.linear import upcast_linear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 20, 96, generator=g).to(dtype)
+    w = (torch.randn(300, 96, generator=g) * torch.logspace(-1, 1, 300)[:, None]).to(dtype)
+    b = torch.randn(300, generator=g).to(dtype) if bias else None
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    got = upcast_linear(x, w, b, rows=128)
+    assert got.shape == (2, 20, 300) and got.dtype == dtype
+    # (the fp32 sum can round to the neighbour of the exact sum's rounding: one unit in the last place)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=eps, atol=1e-6 * want.abs().max().item())
+
+
+def test_without_a_bf16_gemm_prompts_run_in_fp32_as_close_to_fp32_as_the_plain_path(tiny_qwen, monkeypatch):
+    """On a CPU whose oneDNN has no bf16 GEMM, a step of 16 tokens or more runs its layers through
+    upcast_linear (the step's LM head, 3 rows, through F.linear): its bf16 logits no further from
+    transformers' fp32 ones than those of F.linear's bf16 GEMM everywhere (and close)."""
+    from picovllm.model.layers import linear
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    path, hf = tiny_qwen
+    prompts = _prompts(307, [3, 16, 40])
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    calls, upcast = [], linear.upcast_linear
+    monkeypatch.setattr(linear, "upcast_linear", lambda x, *args: calls.append(x.shape[0]) or upcast(x, *args))
+
+    def error():
+        engine = make_llm(path, dtype="bfloat16", device="cpu", skip_tokenizer_init=True).llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=1))
+        logits = engine.executor.driver.model_runner.step_logits(step_inputs(engine.scheduler.schedule()))
+        return (logits.float() - want).abs().max().item()
+
+    upcasts = error()
+    assert calls and set(calls) == {59}  # (every layer's GEMM of the step's 59 tokens; the LM head's 3 rows not)
+    monkeypatch.setattr(linear, "UPCAST_ROWS", 10**9)
+    calls.clear()
+    plain = error()
+    assert not calls and upcasts <= 1.5 * plain + 1e-3 and upcasts < 0.05 * want.abs().max(), (upcasts, plain)

@@ -10,7 +10,9 @@ fused gate_up), which the GEMM below reads faster, its row quantized first (one_
 otherwise the ops run one after the other, the GEMM at 2-64 tokens on Hopper the
 weight-streaming one of kernels/gemm.py (the bias and the residual or SiLU*mul in its epilogue),
 else cuBLAS's. An FP8 weight (model/layers/fp8.py) at more rows goes through kernels/fp8_gemm.py's
-fp8_linear, the bias and residual in its GEMM's epilogue.
+fp8_linear, the bias and residual in its GEMM's epilogue. On a CPU, bf16 and fp16 weights are
+packed for oneDNN's GEMM where it has one for their dtype (pack_weights); where it has none, such a
+weight at 16 rows or more is multiplied in fp32 (upcast_linear).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def linear(
         return y if residual is None else residual.add_(y)
     if weight.is_mkldnn:  # (oneDNN's own layout on a CPU: pack_weights)
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    elif upcasts(x, weight):  # (a CPU without a GEMM for the weight's dtype, at 16 rows or more)
+        y = upcast_linear(x, weight, bias)
     elif residual is not None and bias is None and not silu_mul and x.dim() == 2:
         return residual.addmm_(x, weight.t())  # the add in the GEMM's epilogue: no kernel of its own
     else:
@@ -117,6 +121,40 @@ def pack_weights(model: nn.Module) -> int:
     for m in layers:
         m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1), requires_grad=False)
     return len(layers)
+
+
+UPCAST_ROWS = 16  # (the fewest rows upcast_linear takes: below, the weight's dtype is faster, reading half the bytes)
+
+
+def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight.T runs in fp32 (upcast_linear): a bf16 or fp16 weight left in its plain
+    layout on a CPU (pack_weights found no oneDNN GEMM for its dtype), at UPCAST_ROWS rows or more."""
+    return (
+        x.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and not weight.is_mkldnn
+        and x.numel() >= UPCAST_ROWS * x.shape[-1]
+    )
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 256) -> torch.Tensor:
+    """x @ weight.T + bias in fp32, rounded to x's dtype: the weight converted rows at a time into a
+    buffer that stays in the CPU's cache, each slice's product into the output. Without a bf16
+    (fp16) GEMM, torch's in those dtypes runs at a fifth of its fp32 speed or less on a prompt's
+    rows (benchmarks/README.md's CPU section); the products are the same, summed in another order."""
+    x32 = x.reshape(-1, x.shape[-1]).float()
+    n = weight.shape[0]
+    out = torch.empty(x32.shape[0], n, dtype=x.dtype)
+    w32, part = torch.empty(rows, weight.shape[1]), torch.empty(x32.shape[0], rows)
+    for i in range(0, n, rows):
+        j = min(i + rows, n)
+        w, p = w32[: j - i].copy_(weight[i:j]), part if j - i == rows else torch.empty(x32.shape[0], j - i)
+        if bias is None:
+            torch.mm(x32, w.t(), out=p)
+        else:
+            torch.addmm(bias[i:j].float(), x32, w.t(), out=p)
+        out[:, i:j] = p
+    return out.reshape(*x.shape[:-1], n)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
