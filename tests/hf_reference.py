@@ -3,20 +3,24 @@ top-2 logits were, and the comparison rule for token sequences."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """n greedy tokens and, per step, the gap between the reference's top-2 logits."""
-    ids = torch.tensor([prompt_ids], device=model.device)
+    """n greedy tokens and, per step, the gap between the reference's top-2 logits (each step one
+    token through transformers' KV cache, as its generate runs)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (5.x: cache)
+    ids, past = torch.tensor([prompt_ids], device=model.device), None
     tokens, gaps = [], []
     for _ in range(n):
-        logits = model(ids).logits[0, -1].float()
-        top2 = logits.topk(2)
+        out = model(ids, use_cache=True, **{name: past})
+        top2 = out.logits[0, -1].float().topk(2)
         tokens.append(int(top2.indices[0]))
         gaps.append(float(top2.values[0] - top2.values[1]))
-        ids = torch.cat([ids, top2.indices[:1][None]], dim=1)
+        ids, past = top2.indices[:1][None], getattr(out, name)
     return tokens, gaps
 
 
