@@ -127,12 +127,12 @@ UPCAST_ROWS = 16  # (the fewest rows upcast_linear takes: below, the weight's dt
 
 
 def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T runs in fp32 (upcast_linear): a bf16 or fp16 weight left in its plain
-    layout on a CPU (pack_weights found no oneDNN GEMM for its dtype), at UPCAST_ROWS rows or more."""
+    """Whether x @ weight.T runs in fp32 (upcast_linear): a bf16 or fp16 weight on a CPU, at
+    UPCAST_ROWS rows or more. (linear() asks only of a weight pack_weights left plain: oneDNN has
+    no GEMM for its dtype.)"""
     return (
         x.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
-        and not weight.is_mkldnn
         and x.numel() >= UPCAST_ROWS * x.shape[-1]
     )
 
