@@ -182,7 +182,7 @@ def test_prefill_attention_with_cached_prefix(dtype, block_size):
     there: their slots in the cache are NaN then), the cached prefixes' through the table."""
     q_lens, prefix = [1, 5, 17, 33, 70], [0, 3, 16, 0, 9]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size)
-    plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
+    plan = plan_paged_attention(tables, ctx, qsl, block_size, kc.shape[2], max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     out = prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=32)
     _close(out, ref, dtype)
@@ -202,7 +202,7 @@ def test_prefill_attention_split_k_over_long_prefixes(dtype):
     block_size = 16
     q_lens, prefix = [3, 40, 2, 17, 1], [300, 129, 0, 31, 250]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size, seed=3)
-    plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
+    plan = plan_paged_attention(tables, ctx, qsl, block_size, kc.shape[2], max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     assert prefill_splits(6, max(q_lens), 32) == 16  # what splits=None picks here: the most
     for splits in (1, 2, None):  # query blocks of 32 rows, merged 16 at a time
@@ -228,7 +228,7 @@ def test_attention_kernels_read_an_fp8_cache(dtype):
     q_lens, prefix = [1, 5, 17, 33], [0, 3, 40, 9]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, 16, seed=5, kv_dtype=FP8)
     assert kc.dtype == FP8 and kc.float().abs().max() > 0
-    plan = plan_paged_attention(tables, ctx, qsl, 16, max(q_lens), int(ctx.max()))
+    plan = plan_paged_attention(tables, ctx, qsl, 16, kc.shape[2], max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     _close(
         prefill_attention_triton(query, kc, vc, tables, ctx, qsl, scale, max(q_lens), block_m=32, block_n=32),
@@ -242,7 +242,7 @@ def test_attention_kernels_read_an_fp8_cache(dtype):
     _close(out, ref, dtype)
     prefix = [0, 14, 40, 300]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, [1] * 4, prefix, 16, seed=6, kv_dtype=FP8)
-    plan = plan_paged_attention(tables, ctx, qsl, 16, 1, int(ctx.max()))
+    plan = plan_paged_attention(tables, ctx, qsl, 16, kc.shape[2], 1, int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     for splits in (1, None):
         _close(decode_attention_triton(query, kc, vc, tables, ctx, scale, splits), ref, dtype)
@@ -253,7 +253,7 @@ def test_decode_attention_split_k(dtype):
     block_size = 16
     prefix = [0, 14, 15, 16, 40, 589]  # contexts of 1 to 590 keys
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, [1] * len(prefix), prefix, block_size, seed=1)
-    plan = plan_paged_attention(tables, ctx, qsl, block_size, 1, int(ctx.max()))
+    plan = plan_paged_attention(tables, ctx, qsl, block_size, kc.shape[2], 1, int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     # one split, the default for this batch, and more splits than the short contexts have tiles
     for splits in (1, None, 32):
@@ -272,7 +272,7 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
     block_size = 4
     q_lens, prefix = [1, 5, 1, 17, 1, 3], [0, 3, 40, 16, 201, 9]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, block_size, seed=2)
-    plan = plan_paged_attention(tables, ctx, qsl, block_size, max(q_lens), int(ctx.max()))
+    plan = plan_paged_attention(tables, ctx, qsl, block_size, kc.shape[2], max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     # one split; the default (8 splits of at least 128 keys: 2 used for 202 keys); 8 of at least 64 (4 used)
     for splits, min_keys in ((1, None), (None, None), (None, 64)):
@@ -307,6 +307,29 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
     _close(out, ref, dtype)
 
 
+def test_reference_attention_pads_decodes_apart_from_prompts():
+    """The reference (the CPU's attention) of a mixed step: the single-query sequences are one
+    group and the prompts another, so a decode computes one query, not as many as the longest
+    prompt chunk; each sequence's output equals its own causal attention over its own keys, and
+    padding tokens after the batch come out as zeros."""
+    q_lens, prefix = [1, 5, 1, 17, 1, 3], [0, 3, 40, 16, 201, 9]
+    query, kc, vc, tables, ctx, qsl, scale = _paged_batch(torch.float32, q_lens, prefix, 4, seed=7)
+    query = torch.cat([query, torch.ones_like(query[:2])])  # (two padding tokens)
+    plan = plan_paged_attention(tables, ctx, qsl, 4, kc.shape[2], max(q_lens), int(ctx.max()))
+    shapes = [(tuple(g.rows.shape), g.max_context) for g in plan.groups]
+    assert shapes == [((3, 1), 202), ((3, 17), 33)]  # (one group: 6 x 17 queries over 202 keys each)
+    out = paged_attention_ref(query, kc, vc, plan, scale)
+    assert out[-2:].eq(0).all()
+    for b, (q_len, c) in enumerate(zip(q_lens, ctx.tolist())):
+        slots = tables[b].long().repeat_interleave(4)[:c] * 4 + torch.arange(c, device=DEV) % 4
+        keys, values = (cache.flatten(0, 1)[slots].repeat_interleave(3, 1).transpose(0, 1) for cache in (kc, vc))
+        q = query[qsl[b] : qsl[b] + q_len].transpose(0, 1)
+        causal = torch.arange(c, device=DEV) <= torch.arange(c - q_len, c, device=DEV)[:, None]
+        weights = (q @ keys.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+        torch.testing.assert_close(out[qsl[b] : qsl[b] + q_len], (weights @ values).transpose(0, 1))
+    assert len(plan_paged_attention(tables[:1], ctx[:1], qsl[:2], 4, kc.shape[2], 1, 1).groups) == 1  # (decode only)
+
+
 def test_prefill_splits_fill_the_gpu_within_the_program_cap():
     """Qwen2.5-1.5B's 12 heads, query blocks of 64: the mixed-step graphs (T tokens, T/64 + 8
     work items) split more the fewer their tokens; eager steps by their real work items."""
@@ -336,7 +359,7 @@ def test_prefill_attention_padded_work_list(dtype):
 
     q_lens, prefix = [3, 40, 1, 17], [30, 9, 20, 0]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(dtype, q_lens, prefix, 16, seed=4)
-    plan = plan_paged_attention(tables, ctx, qsl, 16, max(q_lens), int(ctx.max()))
+    plan = plan_paged_attention(tables, ctx, qsl, 16, kc.shape[2], max(q_lens), int(ctx.max()))
     ref = paged_attention_ref(query, kc, vc, plan, scale)
     work = prefill_work(q_lens, 32, capacity=8)[[4, 0, 5, 1, 6, 2, 7, 3]]
     out = torch.full_like(query, float("nan"))

@@ -9,48 +9,80 @@ import torch.nn.functional as F
 from picovllm.kernels.triton_utils import tl, triton
 
 
+class AttentionGroup(NamedTuple):
+    """Sequences the reference attends to together: queries padded to the group's longest, keys
+    to its longest context."""
+
+    pieces: torch.Tensor  # [b * kv_heads * blocks]: the cache's (block, head) pieces to read, in order
+    max_context: int
+    rows: torch.Tensor  # [b, max_q] row of each padded query in the flat token batch
+    kept: torch.Tensor  # indices of the real queries in the flattened [b * max_q] output
+    tokens: torch.Tensor  # their rows in the flat token batch (rows.flatten()[kept])
+    mask: torch.Tensor  # [b, 1, max_q, max_context] True where a query may attend to a key
+
+
 class AttentionPlan(NamedTuple):
     """What the reference attention derives from the batch layout; the same for every layer, so
-    it is built once per forward (plan_paged_attention) and reused by all layers."""
+    it is built once per forward (plan_paged_attention) and reused by all layers. A mixed step's
+    sequences of one query (decodes) and of several (prompts) are two groups: padded together,
+    every decode would compute as many queries as the longest prompt chunk."""
 
-    tables: torch.Tensor  # [B, blocks covering the longest context]
-    max_context: int
-    rows: torch.Tensor  # [B, max_q] row of each padded query in the flat token batch
-    out_rows: torch.Tensor  # indices of the real queries in the flattened [B * max_q] output
-    mask: torch.Tensor  # [B, 1, max_q, max_context] True where a query may attend to a key
+    groups: tuple[AttentionGroup, ...]
 
 
-def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                         block_size: int, max_query_len: int, max_context_len: int) -> AttentionPlan:
-    """Query i of a sequence with q_len queries sits at position context_lens[b] - q_len + i and
-    attends to keys at positions <= its own; queries are padded to the longest query, keys to the
-    longest context, and both paddings are masked out."""
-    device = block_tables.device
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    max_q, max_ctx = max_query_len, max_context_len
-    tables = block_tables[:, : -(-max_ctx // block_size)].long()
+def _plan_group(tables: torch.Tensor, context_lens: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
+                block_size: int, num_kv_heads: int, max_q: int, max_ctx: int) -> AttentionGroup:
+    device = tables.device
     q_idx = torch.arange(max_q, device=device)
     q_valid = q_idx[None, :] < q_lens[:, None]
-    rows = torch.where(q_valid, query_start_loc[:-1, None] + q_idx, 0)
+    rows = torch.where(q_valid, starts[:, None] + q_idx, 0)
     q_pos = (context_lens - q_lens)[:, None] + q_idx
     k_pos = torch.arange(max_ctx, device=device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < context_lens[:, None])[:, None, :]
-    return AttentionPlan(tables, max_ctx, rows, q_valid.flatten().nonzero().squeeze(1), mask[:, None])
+    kept = q_valid.flatten().nonzero().squeeze(1)
+    blocks = tables[:, None, : -(-max_ctx // block_size)].long()
+    pieces = (blocks * num_kv_heads + torch.arange(num_kv_heads, device=device)[:, None]).flatten()
+    return AttentionGroup(pieces, max_ctx, rows, kept, rows.flatten()[kept], mask[:, None])
+
+
+def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         block_size: int, num_kv_heads: int, max_query_len: int,
+                         max_context_len: int) -> AttentionPlan:
+    """Query i of a sequence with q_len queries sits at position context_lens[b] - q_len + i and
+    attends to keys at positions <= its own; within a group queries are padded to the longest
+    query, keys to the longest context, and both paddings are masked out."""
+    starts, q_lens = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
+    geometry = (block_size, num_kv_heads)
+    single = q_lens == 1
+    if max_query_len == 1 or not bool(single.any()):
+        return AttentionPlan((_plan_group(block_tables, context_lens, starts, q_lens, *geometry, max_query_len,
+                                          max_context_len),))
+    groups = []
+    for seqs, max_q in ((single.nonzero().squeeze(1), 1), ((~single).nonzero().squeeze(1), max_query_len)):
+        ctx = context_lens[seqs]
+        groups.append(_plan_group(block_tables[seqs], ctx, starts[seqs], q_lens[seqs], *geometry, max_q,
+                                  int(ctx.max())))
+    return AttentionPlan(tuple(groups))
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         plan: AttentionPlan, scale: float) -> torch.Tensor:
     """query: [num_tokens, num_heads, head_dim], the tokens of B sequences laid end to end (then
-    padding tokens of no sequence, if any); caches: [num_blocks, block_size, num_kv_heads,
-    head_dim] with this step's K/V already stored. Returns [num_tokens, num_heads, head_dim]."""
-    keys = k_cache[plan.tables].flatten(1, 2)[:, : plan.max_context].to(query.dtype)  # [B, ctx, kv_heads, D]
-    values = v_cache[plan.tables].flatten(1, 2)[:, : plan.max_context].to(query.dtype)  # (an FP8 cache's upcast)
-    q = query[plan.rows]  # [B, max_q, H, D]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=plan.mask, scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2).flatten(0, 1)[plan.out_rows]
-    if out.shape[0] < query.shape[0]:  # padding tokens at the end (a graph-sized step): zeros
-        out = torch.cat([out, out.new_zeros(query.shape[0] - out.shape[0], *out.shape[1:])])
+    padding tokens of no sequence, if any: their rows are zeros); caches: [num_blocks, block_size,
+    num_kv_heads, head_dim] with this step's K/V already stored. Returns [num_tokens, num_heads,
+    head_dim]. The keys and values are read a whole (block, head) piece at a time, as the pool
+    lays them out (model_runner.allocate_kv_pool: a block's tokens of one head together), straight
+    into the [b, kv_heads, context, head_dim] the attention takes: one copy of each."""
+    out = torch.zeros_like(query)
+    for g in plan.groups:
+        b, (_, _, kv_heads, dim) = g.rows.shape[0], k_cache.shape
+        keys, values = (  # (an FP8 cache's upcast to the queries' dtype)
+            cache.transpose(1, 2).flatten(0, 1).index_select(0, g.pieces).view(b, kv_heads, -1, dim)
+            [:, :, : g.max_context].to(query.dtype) for cache in (k_cache, v_cache))
+        q = query[g.rows]  # [b, max_q, H, D]
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale,
+                                                  enable_gqa=True)
+        out[g.tokens] = attended.transpose(1, 2).flatten(0, 1)[g.kept]
     return out
 
 

@@ -94,6 +94,7 @@ class PagedAttention(nn.Module):
                 meta.context_lens,
                 meta.query_start_loc,
                 self.k_cache.shape[1],
+                self.k_cache.shape[2],
                 meta.max_query_len,
                 meta.max_context_len,
             )
