@@ -208,3 +208,33 @@ def test_without_a_bf16_gemm_prompts_run_in_fp32_as_close_to_fp32_as_the_plain_p
     calls.clear()
     plain = error()
     assert not calls and upcasts <= 1.5 * plain + 1e-3 and upcasts < 0.05 * want.abs().max(), (upcasts, plain)
+
+
+def test_without_a_bf16_gemm_attention_runs_in_fp32_as_close_to_fp32_as_in_bf16(tiny_qwen, monkeypatch):
+    """On a CPU whose oneDNN has no bf16 GEMM, torch's attention multiplies bf16 at a fraction of
+    its fp32 speed: the reference attention then takes the queries in fp32 (the cache read into
+    fp32 with them) and its output is rounded once; the logits no further from transformers' fp32
+    ones than with the attention in bf16 (and close). With the GEMM, bf16 stays."""
+    from picovllm.model.layers import attention
+
+    path, hf = tiny_qwen
+    prompts = _prompts(307, [3, 16, 40])
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    dtypes, ref = [], attention.paged_attention_ref
+    monkeypatch.setattr(attention, "paged_attention_ref", lambda q, *args: dtypes.append(q.dtype) or ref(q, *args))
+
+    def error(has_gemm: bool) -> float:
+        monkeypatch.setattr(attention, "cpu_gemm", lambda dtype: has_gemm)
+        dtypes.clear()
+        engine = make_llm(path, dtype="bfloat16", device="cpu", skip_tokenizer_init=True).llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=1))
+        logits = engine.executor.driver.model_runner.step_logits(step_inputs(engine.scheduler.schedule()))
+        return (logits.float() - want).abs().max().item()
+
+    upcast = error(has_gemm=False)
+    assert dtypes == [torch.float32] * 3  # (each of the three layers)
+    plain = error(has_gemm=True)
+    assert dtypes == [torch.bfloat16] * 3
+    assert upcast <= 1.5 * plain + 1e-3 and upcast < 0.05 * want.abs().max(), (upcast, plain)

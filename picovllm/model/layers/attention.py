@@ -15,6 +15,7 @@ from picovllm.kernels.paged_attention import AttentionPlan, paged_attention_ref,
 from picovllm.kernels.prefill_attention import BLOCK_M as PREFILL_BLOCK_M
 from picovllm.kernels.prefill_attention import num_work_items, prefill_attention_triton, prefill_work
 from picovllm.kernels.triton_utils import use_triton
+from picovllm.model.layers.linear import cpu_gemm
 
 
 class AttentionMetadata(NamedTuple):
@@ -127,6 +128,9 @@ class PagedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float, new_kv=None) -> torch.Tensor:
         if not use_triton(q):
+            if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not cpu_gemm(q.dtype):
+                # (torch's CPU attention multiplies in the queries' dtype: in fp32, a fifth of the time)
+                return paged_attention_ref(q.float(), self.k_cache, self.v_cache, meta.plan, scale).to(q.dtype)
             return paged_attention_ref(q, self.k_cache, self.v_cache, meta.plan, scale)
         if meta.max_query_len == 1:
             return decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, scale)

@@ -101,6 +101,17 @@ def linear(
     return y if residual is None else residual.add_(y)
 
 
+def cpu_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN has a GEMM for dtype, bf16 or fp16, as torch reports (without one,
+    torch multiplies in that dtype at a fifth of its fp32 speed or less: benchmarks/README.md's CPU
+    section)."""
+    supported = {
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+    }.get(dtype)
+    return torch.backends.mkldnn.is_available() and supported is not None and supported()
+
+
 def pack_weights(model: nn.Module) -> int:
     """On a CPU whose oneDNN has a GEMM for the weights' dtype (bf16 or fp16, as torch reports),
     every linear layer's weight, the LM head's included, in oneDNN's blocked layout, which
@@ -109,11 +120,7 @@ def pack_weights(model: nn.Module) -> int:
     packed weight takes the place of the plain one (a tied LM head keeps the embedding's).
     Returns how many weights were packed (0: none, the plain path). FP8 weights stay as they are."""
     dtype = next(model.parameters()).dtype
-    supported = {
-        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
-        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
-    }.get(dtype)
-    if not torch.backends.mkldnn.is_available() or supported is None or not supported():
+    if not cpu_gemm(dtype):
         return 0
     from picovllm.model.layers.embedding import ParallelLMHead
 
