@@ -1,7 +1,10 @@
 """Compile every Triton kernel ahead of time for Hopper (sm_90) without a GPU, with programmatic
 dependent launch on (the interpreter runs them with it off); prints 'ok' per kernel. Used by
-tests/test_kernels.py (in a subprocess, outside Triton's interpreter)."""
+tests/test_kernels.py (in a subprocess, outside Triton's interpreter). The kernels compile in
+a process each core (from a cold Triton cache on 2 cores: 260 s in one)."""
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 from picovllm.kernels import (
     decode_attention,
@@ -36,7 +39,8 @@ def compile_sm90(fn, pointers: dict, constexprs: dict, floats=("scale", "eps", "
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def main(dt: str) -> None:
+def kernels(dt: str) -> list[tuple]:
+    """(kernel, constexprs, pointer types) of every kernel to compile, at dtype dt."""
     p = f"*{dt}"
     ptrs = {n: p for n in ("q", "k", "v", "q_out", "k_cache", "v_cache", "out", "x", "weight", "gate_up", "cos", "sin",
                             "bias", "norm_weight", "residual", "k_new", "v_new")}
@@ -48,7 +52,7 @@ def main(dt: str) -> None:
                "min_p": "*fp32", "counts": "*i32", "thresholds": "*fp32", "seeds": "*i64", "keys": "*i64",
                "greedy": "*i1", "bitmask": "*i32"}
     precision = "ieee" if dt == "fp32" else "tf32"
-    kernels = [
+    entries = [  # (an entry's third element, if any: pointer types of its own)
         *[(prefill_attention._prefill_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
                                                    PRECISION=precision, SPLITS=splits, MIN_PART=128, NEW_KV=new_kv),
            fp8_cache if splits == 16 else {})
@@ -95,13 +99,24 @@ def main(dt: str) -> None:
                                                      "output_ids": "*i64", "ordered": "*i64", "repetition": "*fp32",
                                                      "frequency": "*fp32", "presence": "*fp32"}),
     ]
-    # with programmatic dependent launch (the default on sm_90): its wait compiled in; an entry's third
-    # element, if any: pointer types of its own
-    for fn, constexprs, *own in kernels:
-        ptx = compile_sm90(fn, {**ptrs, **dict(*own)}, {**constexprs, "USE_PDL": True}).asm["ptx"]
-        assert "griddepcontrol.wait" in ptx
-        divisions = [op for op in ("div.s64", "rem.s64", "div.u64", "rem.u64") if op in ptx]
-        print("ok", fn.__name__, " ".join(divisions), flush=True)
+    return [(fn, constexprs, {**ptrs, **dict(*own)}) for fn, constexprs, *own in entries]
+
+
+def compile_one(dt: str, i: int) -> str:
+    """Kernel i of kernels(dt) with programmatic dependent launch (the default on sm_90): its wait
+    compiled in; its 'ok' line, with any 64-bit division found in its PTX."""
+    fn, constexprs, pointers = kernels(dt)[i]
+    ptx = compile_sm90(fn, pointers, {**constexprs, "USE_PDL": True}).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    divisions = [op for op in ("div.s64", "rem.s64", "div.u64", "rem.u64") if op in ptx]
+    return " ".join(["ok", fn.__name__, *divisions])
+
+
+def main(dt: str) -> None:
+    n = len(kernels(dt))
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        for line in pool.map(compile_one, [dt] * n, range(n)):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
