@@ -307,11 +307,29 @@ def test_mixed_step_attention_decode_and_prefill_kernels_share_the_output(dtype)
     _close(out, ref, dtype)
 
 
+def _attend_each(query, kc, vc, tables, ctx, qsl, block_size, scale):
+    """Each sequence's causal attention over its own keys, one at a time: [(rows, output)]."""
+    outs = []
+    for b, c in enumerate(ctx.tolist()):
+        q_len = int(qsl[b + 1] - qsl[b])
+        slots = (
+            tables[b].long().repeat_interleave(block_size)[:c] * block_size + torch.arange(c, device=DEV) % block_size
+        )
+        group = query.shape[1] // kc.shape[2]
+        keys, values = (cache.flatten(0, 1)[slots].repeat_interleave(group, 1).transpose(0, 1) for cache in (kc, vc))
+        q = query[qsl[b] : qsl[b] + q_len].transpose(0, 1)
+        causal = torch.arange(c, device=DEV) <= torch.arange(c - q_len, c, device=DEV)[:, None]
+        weights = (q @ keys.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+        outs.append((slice(int(qsl[b]), int(qsl[b]) + q_len), (weights @ values).transpose(0, 1)))
+    return outs
+
+
 def test_reference_attention_pads_decodes_apart_from_prompts():
     """The reference (the CPU's attention) of a mixed step: the single-query sequences are one
     group and the prompts another, so a decode computes one query, not as many as the longest
     prompt chunk; each sequence's output equals its own causal attention over its own keys, and
-    padding tokens after the batch come out as zeros."""
+    padding tokens after the batch come out as zeros. A lone prompt without a cached prefix takes
+    SDPA's causal attention, no mask; one with a prefix keeps its mask."""
     q_lens, prefix = [1, 5, 1, 17, 1, 3], [0, 3, 40, 16, 201, 9]
     query, kc, vc, tables, ctx, qsl, scale = _paged_batch(torch.float32, q_lens, prefix, 4, seed=7)
     query = torch.cat([query, torch.ones_like(query[:2])])  # (two padding tokens)
@@ -320,14 +338,15 @@ def test_reference_attention_pads_decodes_apart_from_prompts():
     assert shapes == [((3, 1), 202), ((3, 17), 33)]  # (one group: 6 x 17 queries over 202 keys each)
     out = paged_attention_ref(query, kc, vc, plan, scale)
     assert out[-2:].eq(0).all()
-    for b, (q_len, c) in enumerate(zip(q_lens, ctx.tolist())):
-        slots = tables[b].long().repeat_interleave(4)[:c] * 4 + torch.arange(c, device=DEV) % 4
-        keys, values = (cache.flatten(0, 1)[slots].repeat_interleave(3, 1).transpose(0, 1) for cache in (kc, vc))
-        q = query[qsl[b] : qsl[b] + q_len].transpose(0, 1)
-        causal = torch.arange(c, device=DEV) <= torch.arange(c - q_len, c, device=DEV)[:, None]
-        weights = (q @ keys.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
-        torch.testing.assert_close(out[qsl[b] : qsl[b] + q_len], (weights @ values).transpose(0, 1))
+    for rows, want in _attend_each(query, kc, vc, tables, ctx, qsl, 4, scale):
+        torch.testing.assert_close(out[rows], want)
     assert len(plan_paged_attention(tables[:1], ctx[:1], qsl[:2], 4, kc.shape[2], 1, 1).groups) == 1  # (decode only)
+    for prefix, masked in ((0, False), (6, True)):
+        query, kc, vc, tables, ctx, qsl, scale = _paged_batch(torch.float32, [37], [prefix], 4, seed=8)
+        plan = plan_paged_attention(tables, ctx, qsl, 4, kc.shape[2], 37, 37 + prefix)
+        assert len(plan.groups) == 1 and (plan.groups[0].mask is not None) == masked
+        [(rows, want)] = _attend_each(query, kc, vc, tables, ctx, qsl, 4, scale)
+        torch.testing.assert_close(paged_attention_ref(query, kc, vc, plan, scale), want)
 
 
 def test_prefill_splits_fill_the_gpu_within_the_program_cap():

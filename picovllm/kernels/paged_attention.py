@@ -18,7 +18,8 @@ class AttentionGroup(NamedTuple):
     rows: torch.Tensor  # [b, max_q] row of each padded query in the flat token batch
     kept: torch.Tensor  # indices of the real queries in the flattened [b * max_q] output
     tokens: torch.Tensor  # their rows in the flat token batch (rows.flatten()[kept])
-    mask: torch.Tensor  # [b, 1, max_q, max_context] True where a query may attend to a key
+    mask: torch.Tensor | None  # [b, 1, max_q, max_context] True where a query may attend to a key;
+    # None: one prompt and no cached prefix, plain causal attention (is_causal skips the masked half)
 
 
 class AttentionPlan(NamedTuple):
@@ -36,13 +37,17 @@ def _plan_group(tables: torch.Tensor, context_lens: torch.Tensor, starts: torch.
     q_idx = torch.arange(max_q, device=device)
     q_valid = q_idx[None, :] < q_lens[:, None]
     rows = torch.where(q_valid, starts[:, None] + q_idx, 0)
-    q_pos = (context_lens - q_lens)[:, None] + q_idx
-    k_pos = torch.arange(max_ctx, device=device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < context_lens[:, None])[:, None, :]
     kept = q_valid.flatten().nonzero().squeeze(1)
     blocks = tables[:, None, : -(-max_ctx // block_size)].long()
     pieces = (blocks * num_kv_heads + torch.arange(num_kv_heads, device=device)[:, None]).flatten()
-    return AttentionGroup(pieces, max_ctx, rows, kept, rows.flatten()[kept], mask[:, None])
+    # (max_q and max_ctx are bounds: causal only if they are this prompt's length, and it has no prefix)
+    if tables.shape[0] == 1 and max_q > 1 and int(q_lens[0]) == int(context_lens[0]) == max_q == max_ctx:
+        mask = None
+    else:
+        q_pos = (context_lens - q_lens)[:, None] + q_idx
+        k_pos = torch.arange(max_ctx, device=device)
+        mask = ((k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < context_lens[:, None])[:, None, :])[:, None]
+    return AttentionGroup(pieces, max_ctx, rows, kept, rows.flatten()[kept], mask)
 
 
 def plan_paged_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -81,7 +86,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             [:, :, : g.max_context].to(query.dtype) for cache in (k_cache, v_cache))
         q = query[g.rows]  # [b, max_q, H, D]
         attended = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale,
-                                                  enable_gqa=True)
+                                                  is_causal=g.mask is None, enable_gqa=True)
         out[g.tokens] = attended.transpose(1, 2).flatten(0, 1)[g.kept]
     return out
 
