@@ -82,6 +82,26 @@ def _greedy(logits):
     return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
 
 
+def _bf16_prompts_error(tiny_qwen):
+    """(want, error) for three prompts: transformers' fp32 logits at their last positions, and
+    error(): a new bf16 CPU engine's logits for the prompts' step, (their largest distance from
+    want, its model)."""
+    path, hf = tiny_qwen
+    prompts = _prompts(307, [3, 16, 40])
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+
+    def error():
+        engine = make_llm(path, dtype="bfloat16", device="cpu", skip_tokenizer_init=True).llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=1))
+        runner = engine.executor.driver.model_runner
+        logits = runner.step_logits(step_inputs(engine.scheduler.schedule()))
+        return (logits.float() - want).abs().max().item(), runner.model
+
+    return want, error
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_block_sizes_and_batching(tiny_qwen, block_size):
     """More prompts than max_num_seqs, contexts crossing many block boundaries."""
@@ -122,19 +142,7 @@ def test_packed_cpu_weights_are_as_close_to_fp32_as_the_plain_path(tiny_qwen, mo
 
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         pytest.skip("this CPU's oneDNN has no bf16 GEMM: the plain path is the only one")
-    path, hf = tiny_qwen
-    prompts = _prompts(307, [3, 16, 40])
-    with torch.no_grad():
-        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
-
-    def error():
-        engine = make_llm(path, dtype="bfloat16", device="cpu", skip_tokenizer_init=True).llm_engine
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=1))
-        model = engine.executor.driver.model_runner.model
-        logits = engine.executor.driver.model_runner.step_logits(step_inputs(engine.scheduler.schedule()))
-        return (logits.float() - want).abs().max().item(), model
-
+    want, error = _bf16_prompts_error(tiny_qwen)
     packed, model = error()
     assert model.lm_head.weight.is_mkldnn and not model.model.embed_tokens.weight.is_mkldnn
     assert all(m.weight.is_mkldnn for m in model.modules() if isinstance(m, linear.LinearBase))
@@ -188,25 +196,15 @@ def test_without_a_bf16_gemm_prompts_run_in_fp32_as_close_to_fp32_as_the_plain_p
     from picovllm.model.layers import linear
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    path, hf = tiny_qwen
-    prompts = _prompts(307, [3, 16, 40])
-    with torch.no_grad():
-        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    want, error = _bf16_prompts_error(tiny_qwen)
     calls, upcast = [], linear.upcast_linear
     monkeypatch.setattr(linear, "upcast_linear", lambda x, *args: calls.append(x.shape[0]) or upcast(x, *args))
 
-    def error():
-        engine = make_llm(path, dtype="bfloat16", device="cpu", skip_tokenizer_init=True).llm_engine
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=1))
-        logits = engine.executor.driver.model_runner.step_logits(step_inputs(engine.scheduler.schedule()))
-        return (logits.float() - want).abs().max().item()
-
-    upcasts = error()
+    upcasts, _ = error()
     assert calls and set(calls) == {59}  # (every layer's GEMM of the step's 59 tokens; the LM head's 3 rows not)
     monkeypatch.setattr(linear, "UPCAST_ROWS", 10**9)
     calls.clear()
-    plain = error()
+    plain, _ = error()
     assert not calls and upcasts <= 1.5 * plain + 1e-3 and upcasts < 0.05 * want.abs().max(), (upcasts, plain)
 
 
@@ -217,24 +215,17 @@ def test_without_a_bf16_gemm_attention_runs_in_fp32_as_close_to_fp32_as_in_bf16(
     ones than with the attention in bf16 (and close). With the GEMM, bf16 stays."""
     from picovllm.model.layers import attention
 
-    path, hf = tiny_qwen
-    prompts = _prompts(307, [3, 16, 40])
-    with torch.no_grad():
-        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    want, error = _bf16_prompts_error(tiny_qwen)
     dtypes, ref = [], attention.paged_attention_ref
     monkeypatch.setattr(attention, "paged_attention_ref", lambda q, *args: dtypes.append(q.dtype) or ref(q, *args))
 
-    def error(has_gemm: bool) -> float:
+    def error_with(has_gemm: bool) -> float:
         monkeypatch.setattr(attention, "cpu_gemm", lambda dtype: has_gemm)
         dtypes.clear()
-        engine = make_llm(path, dtype="bfloat16", device="cpu", skip_tokenizer_init=True).llm_engine
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=1))
-        logits = engine.executor.driver.model_runner.step_logits(step_inputs(engine.scheduler.schedule()))
-        return (logits.float() - want).abs().max().item()
+        return error()[0]
 
-    upcast = error(has_gemm=False)
+    upcast = error_with(has_gemm=False)
     assert dtypes == [torch.float32] * 3  # (each of the three layers)
-    plain = error(has_gemm=True)
+    plain = error_with(has_gemm=True)
     assert dtypes == [torch.bfloat16] * 3
     assert upcast <= 1.5 * plain + 1e-3 and upcast < 0.05 * want.abs().max(), (upcast, plain)
