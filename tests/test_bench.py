@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from conftest import assert_group_gone
 
 from picovllm.bench.latency import run_latency
@@ -187,6 +188,26 @@ def test_forward_flops_counts_weights_attention_and_one_lm_head_row(tiny_qwen):
     attention = 4 * q * c.num_hidden_layers * sum(range(8, 13))
     assert forward_flops(model, 5, 7) == 2 * c.num_hidden_layers * per_layer * 5 + attention + head
     assert forward_flops(model, 1, 0) == 2 * c.num_hidden_layers * per_layer + 4 * q * c.num_hidden_layers + head
+
+
+@pytest.mark.parametrize("has_gemm", [False, True])
+def test_a_cpus_gemm_ceiling_is_measured_in_the_dtype_its_gemms_run_in(monkeypatch, has_gemm):
+    """matmul_flops is the rate a prompt's TTFT floor divides its FLOPs by. On a CPU whose oneDNN
+    has no bf16 GEMM the engine multiplies a prompt's rows in fp32 (upcast_linear), and torch's
+    bf16 matmul there runs at about a hundredth of that: the floor came out 100x the TTFT itself
+    (bench latency's "x floor" 0.0). With the GEMM, bf16 is what runs."""
+    import torch
+
+    from picovllm.bench import common
+
+    monkeypatch.setattr(common, "cpu_gemm", lambda dtype: has_gemm)
+    monkeypatch.setattr(common, "measure_rate", lambda fn, amount, device, reps: fn() or 1.0)
+    ran = []  # (each matmul's operands' dtypes, not multiplied)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: ran.append((a.dtype, b.dtype)))
+    common.matmul_flops(torch.device("cpu"), torch.bfloat16)
+    common.matmul_flops(torch.device("cpu"), torch.float32)
+    bf16 = torch.bfloat16 if has_gemm else torch.float32
+    assert ran == [(bf16, bf16), (torch.float32, torch.float32)]
 
 
 def test_serve_step_intervals_leave_idle_gaps_out():

@@ -11,6 +11,8 @@ import time
 import numpy as np
 import torch
 
+from picovllm.model.layers.linear import cpu_gemm
+
 
 def ms_stats(seconds: list[float]) -> dict[str, float]:
     """Mean, p50, p90 and p99 of times in seconds, in ms ({} for none)."""
@@ -52,8 +54,12 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
 
 def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     """Measured dense GEMM throughput in FLOP/s: square matrices of the model's dtype (8,192 on a
-    GPU, 1,024 on a CPU), the compute ceiling as copy_bandwidth is the memory one."""
+    GPU, 1,024 on a CPU), the compute ceiling as copy_bandwidth is the memory one. On a CPU whose
+    oneDNN has no GEMM for a bf16 or fp16 model, fp32's: the engine multiplies a prompt's rows in
+    fp32 there (model/layers/linear.py upcast_linear), torch's GEMM in those dtypes being far slower."""
     n = 8192 if device.type == "cuda" else 1024
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not cpu_gemm(dtype):
+        dtype = torch.float32
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     return measure_rate(lambda: a @ b, 2 * n**3, device, 20 if device.type == "cuda" else 3)

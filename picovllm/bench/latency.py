@@ -138,7 +138,8 @@ def run_latency(
     (so that load from elsewhere on the machine falls on all of them), and the best time is kept.
     The TTFT is the prefill-only run's; our decode step, the full run's decode (PicoRunner), and
     HF's, the full run's time less the prefill-only run's.
-    CPU ms/step is the host time of our engine's steps outside waiting for the device."""
+    CPU ms/step is the host time of our engine's steps outside waiting for the device (on a GPU; on
+    a CPU the whole step is, the prompts' steps included: not shown)."""
     if output_len < 2:
         raise ValueError(f"--output-len {output_len}: the decode step is timed between tokens; give at least 2")
     ours = PicoRunner(llm_kwargs, max(batch_sizes))
@@ -181,7 +182,7 @@ def run_latency(
             rows.append(
                 _row(name, batch, *best[name], output_len, step_bytes, bandwidth, decode if runner is ours else None)
             )
-            rows[-1]["host_ms_per_step"] = host_ms if runner is ours else None
+            rows[-1]["host_ms_per_step"] = host_ms if runner is ours and device.type == "cuda" else None
             rows[-1]["ttft_floor_ms"] = 1e3 * floors.seconds(input_len, batch=batch)
             rows[-1]["ttft_x_floor"] = rows[-1]["ttft_ms"] / rows[-1]["ttft_floor_ms"]
     by_batch = {r["batch"]: r for r in rows if r["system"] == "picovllm"}
@@ -204,7 +205,7 @@ def run_latency(
         ],
     )
     print(
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, GEMMs {floors.flop_s / 1e12:.1f} TFLOP/s on {device}; prompt "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, GEMMs {floors.flop_s / 1e12:.3g} TFLOP/s on {device}; prompt "
         f"{input_len}, output {output_len}, best of {repeat}; TTFT x floor: against the larger of the prompts' "
         "FLOPs at that rate and their bytes at that bandwidth"
     )

@@ -200,7 +200,7 @@ def run_prefix(llm_kwargs: dict, seed: int = 0, repeat: int = 3, scale: float = 
     )
     print(f"PrefixCache match + insert, 2,000-token prompt: {us:.1f} us median (CPU)")
     print(
-        f"floors: GEMM {floors_of.flop_s / 1e12:.1f} TFLOP/s, copy {floors_of.byte_s / 1e9:.1f} GB/s (measured); "
+        f"floors: GEMM {floors_of.flop_s / 1e12:.3g} TFLOP/s, copy {floors_of.byte_s / 1e9:.1f} GB/s (measured); "
         "bound x: warm speedup with both settings at their floors; at floor: floor / TTFT"
     )
     print_json(
