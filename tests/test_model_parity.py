@@ -153,9 +153,9 @@ def test_packed_cpu_weights_are_as_close_to_fp32_as_the_plain_path(tiny_qwen, mo
 
 
 def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch):
-    """Where torch reports no bf16 GEMM in oneDNN, nothing is packed: the layers run on the weights
-    as loaded (F.linear in the model's dtype, the op transformers runs, below 16 rows; upcast_linear
-    from 16), and fp32 is never packed."""
+    """Where torch reports no bf16 GEMM in oneDNN, a bf16 model's weights are not packed: the layers
+    run on the weights as loaded (F.linear in the model's dtype, the op transformers runs, below 16
+    rows; upcast_linear from 16). A tiny fp32 model's are not either (below PACK_MIN_FP32)."""
     from picovllm.model.layers.linear import LinearBase, pack_weights
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
@@ -166,6 +166,33 @@ def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch
     assert all(m.weight.dtype == torch.bfloat16 for m in linears) and pack_weights(model) == 0
     fp32 = make_llm(tiny_qwen[0], dtype="float32", device="cpu").llm_engine.executor.driver.model_runner.model
     assert pack_weights(fp32) == 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=["tied", "untied"])
+def test_fp32_weights_past_a_size_are_packed_and_generate_as_transformers(tmp_path, monkeypatch, variant):
+    """On a CPU an fp32 model's weights of PACK_MIN_FP32 elements or more go into oneDNN's layout
+    (pack_weights: its GEMM runs decode's rows at twice MKL's rate there), the smaller ones stay
+    plain; greedy decoding still matches transformers' fp32. The threshold lowered so that the
+    tiny model has both kinds: qkv and gate_up (10,240 elements) and the LM head packed, o (6,144)
+    and down (5,120) not."""
+    from picovllm.model.layers import linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch: nothing is packed")
+    monkeypatch.setattr(linear, "PACK_MIN_FP32", 8192)
+    hf = build_model(str(tmp_path), tokenizer=False, seed=3, **variant)
+    llm = make_llm(str(tmp_path), skip_tokenizer_init=True, dtype="float32", device="cpu")
+    model = llm.llm_engine.executor.driver.model_runner.model
+    layers = model.model.layers[0]
+    packed = {name: m.weight.is_mkldnn for name, m in layers.named_modules() if isinstance(m, linear.LinearBase)}
+    assert packed == {
+        "self_attn.qkv_proj": True,
+        "self_attn.o_proj": False,
+        "mlp.gate_up_proj": True,
+        "mlp.down_proj": False,
+    }, packed
+    assert model.lm_head.weight.is_mkldnn and not model.model.embed_tokens.weight.is_mkldnn
+    _check_generate(llm, hf, _prompts(307))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

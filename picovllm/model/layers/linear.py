@@ -113,21 +113,36 @@ def cpu_gemm(dtype: torch.dtype) -> bool:
 
 
 def pack_weights(model: nn.Module) -> int:
-    """On a CPU whose oneDNN has a GEMM for the weights' dtype (bf16 or fp16, as torch reports),
-    every linear layer's weight, the LM head's included, in oneDNN's blocked layout, which
-    linear() hands to oneDNN's own linear: the GEMM PyTorch's F.linear runs, without re-reading
-    the weight in the layout it was loaded in (Inductor packs CPU weights the same way). A
-    packed weight takes the place of the plain one (a tied LM head keeps the embedding's).
-    Returns how many weights were packed (0: none, the plain path). FP8 weights stay as they are."""
+    """On a CPU, the linear layers' weights (the LM head's included) in oneDNN's blocked layout,
+    which linear() hands to oneDNN's own linear: the GEMM PyTorch's F.linear runs for bf16 and fp16,
+    without re-reading the weight in the layout it was loaded in (Inductor packs CPU weights the
+    same way). bf16 and fp16 weights where oneDNN has a GEMM for their dtype (as torch reports),
+    each weight; fp32 weights of at least PACK_MIN_FP32 elements (F.linear's fp32 GEMM, MKL's, ran
+    decode's few rows at half oneDNN's rate or less on an AMD CPU: benchmarks/README.md's CPU
+    section; below that size oneDNN's call costs more than it saves). A packed weight takes the
+    place of the plain one (a tied LM head keeps the embedding's). Returns how many weights were
+    packed (0: none, the plain path). FP8 weights stay as they are."""
     dtype = next(model.parameters()).dtype
-    if not cpu_gemm(dtype):
+    if cpu_gemm(dtype):
+        rows, least = 1, 0  # (rows: the batch oneDNN lays the weight out for)
+    elif dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        rows, least = PACK_ROWS_FP32, PACK_MIN_FP32
+    else:
         return 0
     from picovllm.model.layers.embedding import ParallelLMHead
 
-    layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead) and m.weight.dtype == dtype]
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, LinearBase | ParallelLMHead) and m.weight.dtype == dtype and m.weight.numel() >= least
+    ]
     for m in layers:
-        m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1), requires_grad=False)
+        m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows), requires_grad=False)
     return len(layers)
+
+
+PACK_MIN_FP32 = 1 << 19  # (elements: a 768 x 768 weight, about where oneDNN's packed GEMM starts to pay)
+PACK_ROWS_FP32 = 16  # (the layout's batch: at one row within 15% of a one-row layout, at 2-8 rows twice as fast)
 
 
 UPCAST_ROWS = 16  # (the fewest rows upcast_linear takes: below, the weight's dtype is faster, reading half the bytes)
