@@ -19,11 +19,19 @@ import time
 from picovllm.sampling_params import SamplingParams
 
 
-def serving_steps(model: str, steps: int = 3000) -> None:
+def serving_engine(model: str, device: str = "cpu", clients: int = 64):
+    """bench serve's engine half: an engine of CLIENTS sequences with a step budget of 128, CLIENTS
+    requests of 512 prompt tokens and 128 output tokens added, and step(), which steps it once,
+    adding a request as one finishes (a closed loop)."""
     from picovllm import LLM
 
     engine = LLM(
-        model, device="cpu", skip_tokenizer_init=True, max_num_seqs=64, max_num_batched_tokens=128, max_model_len=1024
+        model,
+        device=device,
+        skip_tokenizer_init=True,
+        max_num_seqs=clients,
+        max_num_batched_tokens=128,
+        max_model_len=1024,
     ).llm_engine
     vocab, added = engine.model_config.vocab_size, [0]
 
@@ -32,8 +40,18 @@ def serving_steps(model: str, steps: int = 3000) -> None:
         ids = [(100 + i * 7 + j) % vocab for j in range(512)]
         engine.add_core_request(str(i), None, ids, SamplingParams(max_tokens=128, ignore_eos=True))
 
-    for _ in range(64):
+    def step() -> None:
+        for out in engine.step_core():
+            if out.finished:
+                add()
+
+    for _ in range(clients):
         add()
+    return engine, step
+
+
+def serving_steps(model: str, steps: int = 3000) -> None:
+    _, step = serving_engine(model)
     gc.collect()
     gc.freeze()
     pauses, started = [], [0.0]
@@ -46,9 +64,7 @@ def serving_steps(model: str, steps: int = 3000) -> None:
 
     gc.callbacks.append(timed)
     for _ in range(steps):
-        for out in engine.step_core():
-            if out.finished:
-                add()
+        step()
     gc.callbacks.remove(timed)
     for generation in (0, 1, 2):
         ms = sorted(t for g, t in pauses if g == generation)

@@ -6,12 +6,23 @@ samples' event), for a lock or the GIL, or for another thread (the bitmask). Pha
 (`next_step` holds the launch, which holds the forward's launch), so they do not add up.
 
 python benchmarks/host_phases.py [--model M] [--tokenizer DIR] [--batch-size B] [--output-len N]
-(a dummy model needs --tokenizer: the default model's directory serves.)"""
+(a dummy model needs --tokenizer: the default model's directory serves.)
+
+python benchmarks/host_phases.py --serve [--model M] [--device D] [--steps N] [--warmup W]
+    the engine under bench serve's closed loop instead (gc_pauses.py's serving_engine: 64 streams,
+    prompts of 512 tokens, 128 output tokens, a step budget of 128), N steps after W (300),
+    Python's heap frozen as the server freezes it. On a CPU (a tiny model's directory as M: its
+    forward is not what is timed) the forward and the sampler compute
+    (ModelRunner.step_logits less its prepare, Sampler.__call__): the host's own work is the rest,
+    printed as a line of its own."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
+import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -66,6 +77,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--serve", action="store_true", help="the engine under bench serve's closed loop")
+    ap.add_argument("--device", default=None, help="(--serve) the engine's device (default: cuda if there is one)")
+    ap.add_argument("--steps", type=int, default=1500, help="(--serve) steps timed")
+    ap.add_argument("--warmup", type=int, default=300, help="(--serve) steps before them")
     args = ap.parse_args()
 
     wall, cpu = defaultdict(float), defaultdict(float)  # (run, phase) -> seconds
@@ -90,6 +105,9 @@ def main() -> None:
 
     for owner, name in PHASES:
         timed(owner, name)
+    if args.serve:
+        serve(args, run, wall, cpu)
+        return
     progress = bench.progress
 
     def next_run(message: str) -> None:  # (the bench announces each run)
@@ -107,6 +125,40 @@ def main() -> None:
         for (name, phase), seconds in sorted(wall.items(), key=lambda kv: -kv[1]):
             if name == r["run"]:
                 print(f"  {phase:48s} {1e3 * seconds / steps:7.3f} {1e3 * cpu[name, phase] / steps:7.3f}")
+
+
+def serve(args, run: list[str], wall: dict, cpu: dict) -> None:
+    """host_phases.py --serve: the phases per step of the engine under bench serve's closed loop."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gc_pauses import serving_engine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine, step = serving_engine(args.model, device)
+    for _ in range(args.warmup):
+        step()
+    gc.collect()
+    gc.freeze()
+    run[0] = "serve"
+    start, start_cpu, steps = time.perf_counter(), time.thread_time(), engine.num_steps
+    for _ in range(args.steps):
+        step()
+    steps = engine.num_steps - steps
+    seconds, seconds_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+    each = f"{1e3 * seconds / steps:.3f} ms of wall and {1e3 * seconds_cpu / steps:.3f} of CPU time each"
+    print(f"\n{steps} steps, {each}")
+    if device == "cpu":
+        computed = sum(
+            cpu["serve", label] * sign
+            for label, sign in (("ModelRunner.step_logits", 1), ("ModelRunner.prepare", -1), ("Sampler.__call__", 1))
+        )
+        own = 1e3 * (seconds_cpu - computed) / steps
+        print(f"without the forward and the sampler (computed on the CPU): {own:.3f} ms of CPU")
+    print("per step, ms of wall / CPU time:")
+    for (name, phase), seconds in sorted(wall.items(), key=lambda kv: -kv[1]):
+        if name == "serve":
+            print(f"  {phase:48s} {1e3 * seconds / steps:7.3f} {1e3 * cpu[name, phase] / steps:7.3f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: the CUDA tests, the standard benchmarks, and a short table at the end.
 # Usage, from the repository root on a CUDA machine: bash scripts/gpu_check.sh [STAGE ...]
-#   stages: tests latency throughput prefix offload serve overload pd structured fp8 kv servers ttft attention ncu
+#   stages: tests latency throughput prefix offload serve overload pd structured fp8 kv servers ttft attention ncu host
 #   (default: the first seven; each fits a 10-minute call)
 # Env: MODEL (default dummy:qwen2.5-1.5b), OUT (default /tmp/gpu_check), ENGINE_ARGS (extra engine options),
 #      TOKENIZER (structured: a tokenizer directory, e.g. the default model's, for a dummy model),
@@ -93,6 +93,10 @@ for stage in ${*:-tests latency throughput prefix offload serve overload}; do
            grep -E "_decode_partition|Duration|DRAM Throughput|Issued Warp|Eligible Warps|Warp Cycles Per Issued|bank_conflicts|inst_executed|Achieved Occupancy|Registers Per" \
                "$OUT/ncu$tag.txt"
          done ;;
+    host) for tree in ${TREES:-.}; do  # (where the engine's host time goes in bench serve's closed loop, phase by phase)
+            (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/host_phases.py --serve \
+                --model "$MODEL") 2>&1 | grep -v "it/s\]" | tee "$OUT/host$(tag "$tree").txt" | tail -30
+          done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

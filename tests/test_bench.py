@@ -319,3 +319,18 @@ def test_host_phases_times_the_engines_functions():
     spec.loader.exec_module(phases)
     missing = [(owner, name) for owner, name in phases.PHASES if not callable(getattr(owner, name, None))]
     assert len(phases.PHASES) >= 20 and missing == []
+
+
+def test_host_phases_times_a_serving_loop(tiny_qwen):
+    """host_phases.py --serve (gpu_check.sh's host stage): the engine under bench serve's closed loop,
+    each phase's time per step, and on a CPU the host's own work beside the forward's."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "host_phases.py")
+    args = ["--serve", "--model", tiny_qwen[0], "--device", "cpu", "--steps", "20", "--warmup", "5"]
+    out = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("20 steps, ") for line in lines), out.stdout
+    own = next(line for line in lines if line.startswith("without the forward and the sampler"))
+    phases = {line.split()[0]: float(line.split()[-1]) for line in lines if line.startswith("  ")}
+    assert phases["LLMEngine._step"] > phases["ModelRunner.step_logits"] > phases["ModelRunner.prepare"] > 0
+    assert 0 < float(own.split(": ")[1].split()[0]) < phases["LLMEngine._step"]
