@@ -190,24 +190,25 @@ def test_forward_flops_counts_weights_attention_and_one_lm_head_row(tiny_qwen):
     assert forward_flops(model, 1, 0) == 2 * c.num_hidden_layers * per_layer + 4 * q * c.num_hidden_layers + head
 
 
-@pytest.mark.parametrize("has_gemm", [False, True])
-def test_a_cpus_gemm_ceiling_is_measured_in_the_dtype_its_gemms_run_in(monkeypatch, has_gemm):
-    """matmul_flops is the rate a prompt's TTFT floor divides its FLOPs by. On a CPU whose oneDNN
-    has no bf16 GEMM the engine multiplies a prompt's rows in fp32 (upcast_linear), and torch's
-    bf16 matmul there runs at about a hundredth of that: the floor came out 100x the TTFT itself
-    (bench latency's "x floor" 0.0). With the GEMM, bf16 is what runs."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_cpus_gemm_ceiling_is_the_engines_own_linear(monkeypatch, dtype):
+    """matmul_flops is the rate a prompt's TTFT floor divides its FLOPs by. On a CPU it times the
+    engine's linear() on a weight pack_weights prepared: torch's bf16 matmul on an AVX2 CPU (no
+    bf16 GEMM in oneDNN) runs at a hundredth of the fp32 the engine multiplies in there, and an fp32
+    weight of that size is packed for oneDNN, whose GEMM outruns torch's: the floor came out 100x
+    the TTFT, then 0.7x. Here oneDNN has no bf16 GEMM: a bf16 weight stays plain (linear() takes
+    it to fp32), an fp32 one is packed."""
     import torch
 
     from picovllm.bench import common
 
-    monkeypatch.setattr(common, "cpu_gemm", lambda dtype: has_gemm)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     monkeypatch.setattr(common, "measure_rate", lambda fn, amount, device, reps: fn() or 1.0)
-    ran = []  # (each matmul's operands' dtypes, not multiplied)
-    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: ran.append((a.dtype, b.dtype)))
-    common.matmul_flops(torch.device("cpu"), torch.bfloat16)
-    common.matmul_flops(torch.device("cpu"), torch.float32)
-    bf16 = torch.bfloat16 if has_gemm else torch.float32
-    assert ran == [(bf16, bf16), (torch.float32, torch.float32)]
+    ran = []  # (the input's dtype, the weight's, whether packed), not multiplied
+    monkeypatch.setattr(common, "linear", lambda x, w: ran.append((x.dtype, w.dtype, w.is_mkldnn)))
+    common.matmul_flops(torch.device("cpu"), getattr(torch, dtype))
+    want = getattr(torch, dtype)
+    assert ran == [(want, want, want == torch.float32 and torch.backends.mkldnn.is_available())]
 
 
 def test_serve_step_intervals_leave_idle_gaps_out():

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from picovllm.model.layers.linear import cpu_gemm
+from picovllm.model.layers.linear import LinearBase, linear, pack_weights
 
 
 def ms_stats(seconds: list[float]) -> dict[str, float]:
@@ -54,15 +54,21 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
 
 def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     """Measured dense GEMM throughput in FLOP/s: square matrices of the model's dtype (8,192 on a
-    GPU, 1,024 on a CPU), the compute ceiling as copy_bandwidth is the memory one. On a CPU whose
-    oneDNN has no GEMM for a bf16 or fp16 model, fp32's: the engine multiplies a prompt's rows in
-    fp32 there (model/layers/linear.py upcast_linear), torch's GEMM in those dtypes being far slower."""
-    n = 8192 if device.type == "cuda" else 1024
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not cpu_gemm(dtype):
-        dtype = torch.float32
+    GPU, 1,024 on a CPU), the compute ceiling as copy_bandwidth is the memory one. On a CPU the
+    engine's own linear() on a weight prepared as the engine prepares its weights (pack_weights:
+    oneDNN's layout, or plain, multiplied in fp32 where oneDNN has no GEMM for bf16 or fp16); torch's
+    matmul there may run another GEMM at another rate (bf16's at a hundredth of fp32's on an AVX2 CPU)."""
+    if device.type == "cpu":
+        n = 1024
+        layer = LinearBase(n, n, bias=False, tp_dim=None).to(dtype)
+        layer.weight.data.normal_()
+        pack_weights(layer)
+        x = torch.randn(n, n).to(dtype)
+        return measure_rate(lambda: linear(x, layer.weight), 2 * n**3, device, 3)
+    n = 8192
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    return measure_rate(lambda: a @ b, 2 * n**3, device, 20 if device.type == "cuda" else 3)
+    return measure_rate(lambda: a @ b, 2 * n**3, device, 20)
 
 
 def forward_flops(model: torch.nn.Module, num_new: int, num_cached: int) -> int:
