@@ -152,14 +152,20 @@ def test_packed_cpu_weights_are_as_close_to_fp32_as_the_plain_path(tiny_qwen, mo
     assert packed <= 1.5 * plain + 1e-3 and packed < 0.05 * want.abs().max(), (packed, plain)
 
 
-def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch):
+def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch, caplog):
     """Where torch reports no bf16 GEMM in oneDNN, a bf16 model's weights are not packed: the layers
     run on the weights as loaded (F.linear in the model's dtype, the op transformers runs, below 16
-    rows; upcast_linear from 16). A tiny fp32 model's are not either (below PACK_MIN_FP32)."""
+    rows; upcast_linear from 16), and the engine says so at start-up, with fp32 as the way out. A
+    tiny fp32 model's are not packed either (below PACK_MIN_FP32)."""
+    import logging
+
     from picovllm.model.layers.linear import LinearBase, pack_weights
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    engine = make_llm(tiny_qwen[0], dtype="bfloat16", device="cpu").llm_engine
+    with caplog.at_level(logging.INFO, logger="picovllm"):
+        engine = make_llm(tiny_qwen[0], dtype="bfloat16", device="cpu").llm_engine
+    said = [r.message for r in caplog.records if "has no bfloat16 GEMM" in r.message]
+    assert len(said) == 1 and "below 16 rows" in said[0] and "--dtype float32" in said[0], said
     model = engine.executor.driver.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and not any(m.weight.is_mkldnn for m in linears) and not model.lm_head.weight.is_mkldnn
@@ -169,20 +175,26 @@ def test_without_onednns_bf16_gemm_the_weights_stay_plain(tiny_qwen, monkeypatch
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:2], ids=["tied", "untied"])
-def test_fp32_weights_past_a_size_are_packed_and_generate_as_transformers(tmp_path, monkeypatch, variant):
+def test_fp32_weights_past_a_size_are_packed_and_generate_as_transformers(tmp_path, monkeypatch, caplog, variant):
     """On a CPU an fp32 model's weights of PACK_MIN_FP32 elements or more go into oneDNN's layout
     (pack_weights: its GEMM runs decode's rows at twice MKL's rate there), the smaller ones stay
     plain; greedy decoding still matches transformers' fp32. The threshold lowered so that the
     tiny model has both kinds: qkv and gate_up (10,240 elements) and the LM head packed, o (6,144)
-    and down (5,120) not."""
+    and down (5,120) not. The engine says how many at start-up."""
+    import logging
+
     from picovllm.model.layers import linear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch: nothing is packed")
     monkeypatch.setattr(linear, "PACK_MIN_FP32", 8192)
     hf = build_model(str(tmp_path), tokenizer=False, seed=3, **variant)
-    llm = make_llm(str(tmp_path), skip_tokenizer_init=True, dtype="float32", device="cpu")
+    with caplog.at_level(logging.INFO, logger="picovllm"):
+        llm = make_llm(str(tmp_path), skip_tokenizer_init=True, dtype="float32", device="cpu")
     model = llm.llm_engine.executor.driver.model_runner.model
+    packed = 2 * len(model.model.layers) + 1  # (each layer's qkv and gate_up, the LM head)
+    said = [r.message for r in caplog.records if "packed" in r.message]
+    assert said == [f"{packed} linear weights packed into oneDNN's layout for its GEMM"], said
     layers = model.model.layers[0]
     packed = {name: m.weight.is_mkldnn for name, m in layers.named_modules() if isinstance(m, linear.LinearBase)}
     assert packed == {

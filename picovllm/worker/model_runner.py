@@ -23,7 +23,7 @@ from picovllm.distributed.parallel_state import get_tp_size
 from picovllm.messages import SamplerOutput, SamplingBatch, StepInputs
 from picovllm.model.layers.attention import prefill_work_items
 from picovllm.model.layers.fp8 import FP8, quantize_linear_weights
-from picovllm.model.layers.linear import pack_weights
+from picovllm.model.layers.linear import UPCAST_ROWS, pack_weights
 from picovllm.model.loader.model_loader import load_model
 from picovllm.worker.cuda_graph import DecodeGraphs, MixedGraphs
 from picovllm.worker.inputs import BlockTables, ModelInputs, Uploader, build_decode, build_eager, build_mixed_graph
@@ -88,7 +88,7 @@ class ModelRunner:
             size = sum(t.numel() * t.element_size() for t in self.model.parameters())
             logger.info("%d linear layers quantized to fp8 (weights now %.2f GiB)", layers, size / (1 << 30))
         if device.type == "cpu":
-            pack_weights(self.model)
+            self._pack_weights(dtype, model_cfg.quantization == "fp8" or engine_cfg.quantization == "fp8")
         self.sampler = Sampler()
         if device.type == "cuda":  # (its kernels compiled before serving, graphed or eager)
             self.sampler.warm_up(model_cfg.vocab_size, device, dtype)
@@ -177,6 +177,23 @@ class ModelRunner:
             )
             seconds += self.mixed_graphs.capture()
         return seconds
+
+    def _pack_weights(self, dtype: torch.dtype, fp8_weights: bool) -> None:
+        """A CPU's weights in oneDNN's layout where its GEMM pays (pack_weights), said at start-up;
+        where oneDNN has no GEMM for a bf16 or fp16 model, that is said instead, with the way out."""
+        packed = pack_weights(self.model)
+        if packed:
+            logger.info("%d linear weights packed into oneDNN's layout for its GEMM", packed)
+        elif dtype in (torch.bfloat16, torch.float16) and not fp8_weights:
+            name = str(dtype).removeprefix("torch.")
+            logger.info(
+                "this CPU's oneDNN has no %s GEMM: the linear layers run in torch's %s GEMM below %d rows "
+                "and in fp32 from there; --dtype float32 may decode several requests at a time faster "
+                "here, at twice the weights' memory",
+                name,
+                name,
+                UPCAST_ROWS,
+            )
 
     def free_graphs(self) -> None:
         """Drop the CUDA graphs (before the process group they captured collectives of is destroyed)."""
