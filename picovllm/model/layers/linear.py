@@ -11,8 +11,9 @@ otherwise the ops run one after the other, the GEMM at 2-64 tokens on Hopper the
 weight-streaming one of kernels/gemm.py (the bias and the residual or SiLU*mul in its epilogue),
 else cuBLAS's. An FP8 weight (model/layers/fp8.py) at more rows goes through kernels/fp8_gemm.py's
 fp8_linear, the bias and residual in its GEMM's epilogue. On a CPU, bf16 and fp16 weights are
-packed for oneDNN's GEMM where it has one for their dtype (pack_weights); where it has none, such a
-weight at 16 rows or more is multiplied in fp32 (upcast_linear).
+packed for oneDNN's GEMM where it has one for their dtype, and fp32 weights past a size
+(pack_weights); where it has none, a bf16 or fp16 weight at 16 rows or more is multiplied in fp32
+(upcast_linear).
 """
 
 from __future__ import annotations
