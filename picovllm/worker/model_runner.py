@@ -79,7 +79,8 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         self.eos_ids = eos_ids
         self.kv_dtype = kv_cache_torch_dtype(engine_cfg.kv_cache_dtype, dtype)
-        fp8 = model_cfg.quantization == "fp8" or engine_cfg.quantization == "fp8" or self.kv_dtype == FP8
+        fp8_weights = model_cfg.quantization == "fp8" or engine_cfg.quantization == "fp8"
+        fp8 = fp8_weights or self.kv_dtype == FP8
         if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise ValueError("FP8 weights or KV cache need a GPU of compute capability 8.9 or later (Ada, Hopper)")
         self.model = load_model(model_cfg, path, dtype, device, max_model_len, seed=engine_cfg.seed)
@@ -88,7 +89,7 @@ class ModelRunner:
             size = sum(t.numel() * t.element_size() for t in self.model.parameters())
             logger.info("%d linear layers quantized to fp8 (weights now %.2f GiB)", layers, size / (1 << 30))
         if device.type == "cpu":
-            self._pack_weights(dtype, model_cfg.quantization == "fp8" or engine_cfg.quantization == "fp8")
+            self._pack_weights(dtype, fp8_weights)
         self.sampler = Sampler()
         if device.type == "cuda":  # (its kernels compiled before serving, graphed or eager)
             self.sampler.warm_up(model_cfg.vocab_size, device, dtype)
